@@ -1,0 +1,49 @@
+"""Exact per-parameter precision for PyTorch FSDP2.
+
+>>> import torch
+>>> from torch.distributed.fsdp import fully_shard
+>>> from fsdp_precision import ParamDtypeMixedPrecisionPolicy, apply_param_dtype_map_patch
+>>> apply_param_dtype_map_patch()  # doctest: +SKIP
+>>> policy = ParamDtypeMixedPrecisionPolicy(
+...     param_dtype=torch.bfloat16,
+...     reduce_dtype=torch.float32,
+...     param_dtype_map={"norm.weight": torch.float32},
+... )
+>>> fully_shard(model, mp_policy=policy)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._dtypes import MAPPABLE_DTYPES
+from ._errors import (
+    FsdpPrecisionError,
+    ParamDtypeMapError,
+    PatchIntegrityError,
+    UnsupportedTorchError,
+)
+from ._patch import (
+    SUPPORTED_RELEASES,
+    apply_param_dtype_map_patch,
+    is_param_dtype_map_patch_applied,
+    remove_param_dtype_map_patch,
+)
+from ._policy import ParamDtypeMixedPrecisionPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAPPABLE_DTYPES",
+    "SUPPORTED_RELEASES",
+    "FsdpPrecisionError",
+    "ParamDtypeMapError",
+    "ParamDtypeMixedPrecisionPolicy",
+    "PatchIntegrityError",
+    "UnsupportedTorchError",
+    "apply_param_dtype_map_patch",
+    "is_param_dtype_map_patch_applied",
+    "remove_param_dtype_map_patch",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,0 +1,154 @@
+"""Resolve a ``param_dtype_map`` against the parameters one ``fully_shard`` call manages.
+
+Pure public torch: runs before anything is sharded, so a rejected map leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ._dtypes import dtype_name
+from ._errors import ParamDtypeMapError
+from ._policy import ParamDtypeMixedPrecisionPolicy
+
+__all__ = ["ResolvedMap", "resolve_param_dtype_map"]
+
+
+@dataclass(frozen=True)
+class ResolvedMap:
+    """The outcome of resolving a map for one ``fully_shard`` call.
+
+    Attributes:
+        by_param: ``id(parameter) -> mapped dtype`` for every mapped managed parameter.
+        by_slot: ``(id(owning module), attribute name) -> mapped dtype`` for every place a mapped
+            parameter is registered (aliases included); FSDP records one of them per parameter.
+        fqns: ``id(parameter) -> local FQNs`` for every managed parameter, aliases included.
+    """
+
+    by_param: dict[int, torch.dtype]
+    by_slot: dict[tuple[int, str], torch.dtype]
+    fqns: dict[int, tuple[str, ...]]
+
+
+def _fmt(dtype: torch.dtype | None) -> str:
+    return "None" if dtype is None else f"torch.{dtype_name(dtype)}"
+
+
+def resolve_param_dtype_map(
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> ResolvedMap:
+    """Check every key of ``policy.param_dtype_map`` and return the per-parameter dtypes.
+
+    ``modules`` are the modules passed to one ``fully_shard`` call (one, or several for a grouped
+    call) and ``params`` the parameters that call manages. Raises :class:`ParamDtypeMapError`
+    naming the key, the value and the fix for: keys matching no managed parameter (with a
+    did-you-mean), keys naming parameters owned by an inner unit or ignored, aliases mapped to
+    conflicting dtypes, mapped non-floating parameters, and mixed trainable compute dtypes
+    without an explicit ``reduce_dtype``.
+    """
+    managed = {id(p) for p in params}
+    fqns: dict[int, list[str]] = {}
+    unmanaged: dict[str, nn.Parameter] = {}
+    by_name: dict[str, list[nn.Parameter]] = {}
+    for module in modules:
+        for fqn, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in managed:
+                fqns.setdefault(id(param), []).append(fqn)
+                by_name.setdefault(fqn, []).append(param)
+            else:
+                unmanaged.setdefault(fqn, param)
+
+    dtype_map = policy.param_dtype_map
+    by_param: dict[int, torch.dtype] = {}
+    claimed_by: dict[int, str] = {}
+    for key, dtype in dtype_map.items():
+        hits = by_name.get(key)
+        if not hits:
+            raise ParamDtypeMapError(_unknown_key_message(key, by_name, unmanaged))
+        for param in hits:
+            if not (param.dtype.is_floating_point):
+                raise ParamDtypeMapError(
+                    f"param_dtype_map key {key!r} names a {dtype_name(param.dtype)} parameter; "
+                    "mixed precision applies to floating parameters only: remove the key "
+                    "(FSDP keeps the parameter's dtype), or pass it in ignored_params"
+                )
+            previous = by_param.get(id(param))
+            if previous is not None and previous != dtype:
+                raise ParamDtypeMapError(
+                    f"param_dtype_map maps one shared parameter to two dtypes: "
+                    f"{claimed_by[id(param)]!r} -> {_fmt(previous)} and {key!r} -> {_fmt(dtype)}; "
+                    "aliases of a tied parameter must name the same dtype"
+                )
+            by_param[id(param)] = dtype
+            claimed_by.setdefault(id(param), key)
+
+    _check_reduce_dtype(params, by_param, fqns, policy)
+
+    by_slot: dict[tuple[int, str], torch.dtype] = {}
+    for module in modules:
+        for submodule in module.modules():
+            for name, param in submodule._parameters.items():
+                if param is not None and id(param) in by_param:
+                    by_slot[(id(submodule), name)] = by_param[id(param)]
+    return ResolvedMap(
+        by_param=by_param,
+        by_slot=by_slot,
+        fqns={k: tuple(v) for k, v in fqns.items()},
+    )
+
+
+def _unknown_key_message(
+    key: str, by_name: dict[str, list[nn.Parameter]], unmanaged: dict[str, nn.Parameter]
+) -> str:
+    if key in unmanaged:
+        owner = (
+            "an inner fully_shard unit (it is already sharded): map it in that unit's policy"
+            if isinstance(unmanaged[key], DTensor)
+            else "ignored_params: remove it from ignored_params, or drop the key"
+        )
+        return (
+            f"param_dtype_map key {key!r} names a parameter this fully_shard call does not "
+            f"manage; it belongs to {owner}"
+        )
+    close = difflib.get_close_matches(key, list(by_name), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    some = ", ".join(repr(n) for n in list(by_name)[:5]) or "none"
+    return (
+        f"param_dtype_map key {key!r} matches no parameter managed by this fully_shard call"
+        f"{hint}; keys are exact FQNs relative to the module passed to fully_shard "
+        f"(managed names include {some})"
+    )
+
+
+def _check_reduce_dtype(
+    params: Sequence[nn.Parameter],
+    by_param: dict[int, torch.dtype],
+    fqns: dict[int, list[str]],
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> None:
+    """Contract point 5: trainable parameters computing in several dtypes need a reduce dtype."""
+    if policy.reduce_dtype is not None:
+        return
+    compute: dict[torch.dtype, str] = {}
+    for param in params:
+        if not param.requires_grad:
+            continue  # frozen parameters produce no gradient to reduce
+        if not param.dtype.is_floating_point:
+            continue
+        dtype = by_param.get(id(param)) or policy.param_dtype or param.dtype
+        compute.setdefault(dtype, fqns[id(param)][0])
+    if len(compute) > 1:
+        examples = ", ".join(f"{fqn!r} computes in {_fmt(d)}" for d, fqn in compute.items())
+        raise ParamDtypeMapError(
+            "trainable parameters of one fully_shard unit compute in different dtypes "
+            f"({examples}) but reduce_dtype is None, so no single reduce-scatter dtype exists; "
+            "set reduce_dtype explicitly (usually torch.float32)"
+        )
