@@ -35,7 +35,7 @@ SUPPORTED_RELEASES: dict[str, str] = {
 }
 
 _lock = threading.Lock()
-_applied: ModuleType | None = None
+_applied: ModuleType | None = None  # the implementation module, while installed
 
 
 def torch_release(version: str | None = None) -> str:
@@ -72,10 +72,11 @@ def apply_param_dtype_map_patch() -> None:
     with _lock:
         if _applied is not None:
             return
-        module = _release_module()
-        verify_sources(module.SOURCES, torch_version=torch.__version__)
-        module.install()
-        _applied = module
+        release = _release_module()
+        verify_sources(release.SOURCES, torch_version=torch.__version__)
+        implementation = importlib.import_module(f"{__name__}.{release.IMPLEMENTATION}")
+        implementation.install()
+        _applied = implementation
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
 
 

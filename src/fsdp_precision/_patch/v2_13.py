@@ -1,15 +1,17 @@
-"""torch 2.13: the patch of the 2.13 line, guarded by the sources of torch 2.13.0.
+"""torch 2.13: guarded by the sources of torch 2.13.0+cpu.
 
-Hashes computed from the torch 2.13.0 wheel (``+cpu`` build; the Python sources are the same in
-every build of a release). Regenerate with ``python scripts/hash_sources.py``.
+2.13 is the release the 2.13-line implementation was written against.
+Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release.
 """
 
 from __future__ import annotations
 
-from ._targets import RELIED_ON, REPLACED
-
 TORCH_RELEASE = "2.13"
 
+#: The private module that implements the patch for this release.
+IMPLEMENTATION = "_impl_v2_13"
+
+#: SHA-256 of every upstream function the patch replaces or relies on (see ``_targets``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group":
         "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
@@ -70,26 +72,3 @@ SOURCES: dict[str, str] = {
     "torch.distributed._composable_state:_insert_module_state":
         "8e06113807aa1497fbaf5ed16eb3e13a8a79cb5c5ec6d3587cc59ca80655761a",
 }
-
-assert set(SOURCES) == set(REPLACED + RELIED_ON)
-
-
-def install() -> None:
-    """Install the 2.13-line implementation (the caller verified ``SOURCES`` first)."""
-    from . import _impl_v2_13
-
-    _impl_v2_13.install()
-
-
-def uninstall() -> None:
-    """Restore the upstream functions."""
-    from . import _impl_v2_13
-
-    _impl_v2_13.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether the implementation is swapped in."""
-    from . import _impl_v2_13
-
-    return _impl_v2_13.is_installed()

@@ -1,0 +1,110 @@
+"""Run many distributed test cases in one spawned gloo process group (spawning is the slow part).
+
+A test module lists its case functions; a module-scoped fixture spawns ``world_size`` processes
+once, every rank runs every case in order, and each pytest test asserts one case's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fsdp_precision as fp
+
+OK = "ok"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int, world_size: int, port: int, module: str, cases: Sequence[str], out: str
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    fp.apply_param_dtype_map_patch()
+    mod = importlib.import_module(module)
+    results: dict[str, str] = {}
+    healthy = True
+    for name in cases:
+        if not healthy:
+            results[name] = "not run: an earlier case left the process group unusable"
+            continue
+        try:
+            getattr(mod, name)()
+            results[name] = OK
+        except BaseException:  # noqa: BLE001 - reported to the parent test
+            results[name] = f"rank {rank}: " + traceback.format_exc()
+        finally:
+            if not fp.is_param_dtype_map_patch_applied():
+                fp.apply_param_dtype_map_patch()
+        try:  # keep ranks in step; a rank stuck in a collective times out here
+            dist.barrier()
+        except Exception:  # noqa: BLE001
+            healthy = False
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def run_cases(world_size: int, module: str, cases: Sequence[str]) -> dict[str, str]:
+    """Spawn ``world_size`` ranks running ``module``'s ``cases``; return case -> "ok" or error."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, _free_port(), module, list(cases), out),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+            crashed = ""
+        except Exception as exc:  # noqa: BLE001
+            crashed = f"a rank crashed: {exc}"
+        merged: dict[str, str] = {}
+        for name in cases:
+            outcomes = []
+            for rank in range(world_size):
+                path = Path(out, f"rank{rank}.json")
+                outcomes.append(
+                    json.loads(path.read_text()).get(name, "missing")
+                    if path.exists()
+                    else crashed or "missing"
+                )
+            failures = [o for o in outcomes if o != OK]
+            merged[name] = failures[0] if failures else OK
+        return merged
+
+
+def collect_cases(module_globals: dict[str, object]) -> list[str]:
+    """Every ``case_*`` function of a module, in definition order."""
+    return [n for n, f in module_globals.items() if n.startswith("case_") and callable(f)]
+
+
+@contextlib.contextmanager
+def unpatched() -> Iterator[None]:
+    """Run a block on torch's original FSDP2 (the harness re-applies the patch afterwards)."""
+    fp.remove_param_dtype_map_patch()
+    try:
+        yield
+    finally:
+        fp.apply_param_dtype_map_patch()
