@@ -90,6 +90,14 @@ def resolve_param_dtype_map(
             by_param[id(param)] = dtype
             claimed_by.setdefault(id(param), key)
 
+    for param in params:
+        if param.requires_grad and param.is_complex():
+            raise ParamDtypeMapError(
+                f"trainable complex parameter {fqns[id(param)][0]!r} "
+                f"({dtype_name(param.dtype)}) cannot share a unit's reduce-scatter with real "
+                "gradients once the unit mixes dtypes; pass it in ignored_params (and reduce "
+                "its gradient yourself), freeze it, or wrap it in its own fully_shard unit"
+            )
     _check_reduce_dtype(params, by_param, fqns, policy)
 
     by_slot: dict[tuple[int, str], torch.dtype] = {}

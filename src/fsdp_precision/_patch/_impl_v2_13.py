@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable import contract as _contract
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -122,11 +122,11 @@ def _undo_state_init(state: Any, modules: tuple[nn.Module, ...]) -> None:
             handle.remove()
     for module in modules:
         _module_state_mapping.pop(module, None)
-        all_state = module.__dict__.get(_contract.STATE_KEY)
+        all_state = module.__dict__.get(STATE_KEY)
         if isinstance(all_state, dict):
             for func in [f for f in all_state if getattr(f, "__name__", "") == "fully_shard"]:
                 del all_state[func]
-        registry = module.__dict__.get(_contract.REGISTRY_KEY)
+        registry = module.__dict__.get(REGISTRY_KEY)
         if isinstance(registry, dict):
             registry.pop("fully_shard", None)
 
@@ -307,12 +307,19 @@ def _foreach_reduce_mixed(
 ) -> tuple[Any, ...]:
     # Mirrors upstream foreach_reduce (2.13/2.14) step for step; the differences are marked
     # [mixed]. Everything not marked is upstream's logic.
-    if reduce_dtype is None:  # [mixed] upstream would take the (non-unique) gradient dtype
-        seen = sorted({dtype_name(g.dtype) for g in unsharded_grads})
+    # [mixed] Gradients in several dtypes need the explicit reduce dtype of contract point 5 (a
+    # parameter unfrozen after fully_shard can get here without one); uniform gradients over
+    # mixed storage take upstream's rule.
+    grad_dtypes = {g.dtype for g in unsharded_grads}
+    if len(grad_dtypes) > 1 and (
+        reduce_dtype is None or fsdp_params[0].mp_policy.reduce_dtype is None
+    ):
+        seen = sorted(dtype_name(d) for d in grad_dtypes)
         raise ParamDtypeMapError(
             f"an FSDP unit produced gradients in several dtypes {seen} but has no reduce_dtype; "
             "set reduce_dtype explicitly (usually torch.float32)"
         )
+    reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     # [mixed] Order parameters so that each (storage dtype, gradient dtype) class is one run:
     # the copy-in then takes one chunk_cat per run and the copy-out one cast per storage dtype.
     orig_rank = _rank_by_first_seen([p.orig_dtype for p in fsdp_params])
