@@ -162,6 +162,9 @@ def _init_mp_dtypes(self: Any) -> None:
         # reduce_dtype -> None when equal to this parameter's compute dtype.
         fsdp_param.init_dtype_attrs(policy)
     trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
+    # A unit frozen at its first forward may be unfrozen later: take its floating parameters
+    # then, as torch 2.14 does (2.13 left the reduce dtype unset and reduced in bf16).
+    trainable = trainable or [p for p in self.fsdp_params if p.orig_dtype.is_floating_point]
     orig_dtypes = {p.orig_dtype for p in trainable}
     # None marks mixed storage: foreach_reduce then casts each gradient to its own dtype.
     self._orig_dtype = next(iter(orig_dtypes)) if len(orig_dtypes) == 1 else None
