@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 #: FSDPParam attribute holding the mapped compute dtype (absent or None: unmapped).
 MAPPED_DTYPE_ATTR = "_fsdp_precision_dtype"
+#: FSDPParam attribute set on every parameter of a unit with mapped parameters, so that the hot
+#: paths of other units cost one attribute lookup before delegating to torch.
+MAPPED_UNIT_ATTR = "_fsdp_precision_unit"
 
 # (owner, attribute) -> replacement, installed by ``install`` and undone by ``uninstall``.
 _originals: dict[tuple[Any, str], Any] = {}
@@ -156,6 +159,7 @@ def _init_mp_dtypes(self: Any) -> None:
     if not any(_mapped_dtype(p) is not None for p in self.fsdp_params):
         return _original(_group.FSDPParamGroup, "_init_mp_dtypes")(self)  # type: ignore[no-any-return]
     for fsdp_param in self.fsdp_params:
+        setattr(fsdp_param, MAPPED_UNIT_ATTR, True)
         mapped = _mapped_dtype(fsdp_param)
         policy = self.mp_policy if mapped is None else _policy_for(self.mp_policy, mapped)
         # Upstream clamps: param_dtype -> None when equal to storage or non-floating;
@@ -198,8 +202,9 @@ def _use_foreach_copy(fsdp_param: FSDPParam) -> bool:
 @torch.no_grad()
 def _get_param_all_gather_inputs(fsdp_params: list[FSDPParam]) -> list[list[torch.Tensor]]:
     """Upstream's foreach-copy fast path, with one flat buffer and one copy per target dtype."""
-    target_dtypes = {p.param_dtype for p in fsdp_params if _use_foreach_copy(p)}
-    if len(target_dtypes) <= 1:
+    if not getattr(fsdp_params[0], MAPPED_UNIT_ATTR, False) or (
+        len({p.param_dtype for p in fsdp_params if _use_foreach_copy(p)}) <= 1
+    ):
         return _original(_coll, "_get_param_all_gather_inputs")(fsdp_params)  # type: ignore[no-any-return]
     inputs: list[list[torch.Tensor]] = [[] for _ in fsdp_params]
     by_dtype: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
@@ -283,8 +288,9 @@ def foreach_reduce(
         all_reduce_hook,
         force_sum_reduction_for_comms,
     )
-    uniform = len({g.dtype for g in unsharded_grads}) == 1 and all(
-        p.orig_dtype == orig_dtype for p in fsdp_params
+    uniform = not getattr(fsdp_params[0], MAPPED_UNIT_ATTR, False) or (
+        len({g.dtype for g in unsharded_grads}) == 1
+        and all(p.orig_dtype == orig_dtype for p in fsdp_params)
     )
     if uniform:
         return _original(_group, "foreach_reduce")(*args)  # type: ignore[no-any-return]
