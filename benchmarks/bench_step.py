@@ -74,14 +74,18 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     cfg = TinyConfig(dim=args.dim, depth=args.depth)
     torch.manual_seed(0)
     base = TinyDecoder(cfg)
-    models = {k: copy.deepcopy(base) for k in ("unpatched", "empty_map", "uniform", "mapped", "children")}
+    models = {
+        k: copy.deepcopy(base) for k in ("unpatched", "empty_map", "uniform", "mapped", "children")
+    }
 
     fp.apply_param_dtype_map_patch()
     fp.remove_param_dtype_map_patch()
     wrap_uniform(models["unpatched"], BF16)
     fp.apply_param_dtype_map_patch()
-    wrap_uniform(models["empty_map"], fp.ParamDtypeMixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    wrap_uniform(
+        models["empty_map"],
+        fp.ParamDtypeMixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
     wrap_uniform(models["uniform"], BF16)
     _wrap_mapped(models["mapped"])
     _wrap_reference(models["children"])
@@ -120,8 +124,12 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         }
     # Lower bound of one forward+backward's all-gathered bytes for the mapped model: every
     # unit gathers its parameters in their compute dtype with no padding at all.
-    keep = {n for n, _ in base.named_parameters()
-            if n.endswith(("attn_norm.weight", "mlp_norm.weight", "router.weight")) or n == "norm.weight"}
+    keep = {
+        n
+        for n, _ in base.named_parameters()
+        if n.endswith(("attn_norm.weight", "mlp_norm.weight", "router.weight"))
+        or n == "norm.weight"
+    }
     per_unshard = {}
     for n, p in base.named_parameters():
         unit = n.split(".")[0] + "." + n.split(".")[1] if n.startswith("blocks.") else "<root>"
@@ -133,13 +141,17 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         ratios = {
             "empty_map_over_unpatched": statistics.median(
-                a / b for a, b in zip(times["empty_map"], times["unpatched"])),
+                a / b for a, b in zip(times["empty_map"], times["unpatched"], strict=True)
+            ),
             "uniform_patched_over_unpatched": statistics.median(
-                a / b for a, b in zip(times["uniform"], times["unpatched"])),
+                a / b for a, b in zip(times["uniform"], times["unpatched"], strict=True)
+            ),
             "mapped_over_uniform": statistics.median(
-                a / b for a, b in zip(times["mapped"], times["uniform"])),
+                a / b for a, b in zip(times["mapped"], times["uniform"], strict=True)
+            ),
             "children_over_uniform": statistics.median(
-                a / b for a, b in zip(times["children"], times["uniform"])),
+                a / b for a, b in zip(times["children"], times["uniform"], strict=True)
+            ),
         }
         result = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -171,7 +183,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(worker, args=(args, port), nprocs=args.nproc, join=True, start_method="spawn")
+    mp.start_processes(
+        worker, args=(args, port), nprocs=args.nproc, join=True, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,7 @@ def _worker(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     fp.apply_param_dtype_map_patch()
     mod = importlib.import_module(module)
     results: dict[str, str] = {}

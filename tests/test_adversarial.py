@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _harness import OK, collect_cases, run_cases
-from _models import bf16, fp32
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import CollectiveRecorder
+
+from _harness import OK, collect_cases, run_cases
+from _models import bf16, fp32
 
 DIMS = (7, 97, 101, 103)
 COLS = 3

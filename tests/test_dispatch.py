@@ -12,8 +12,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 import fsdp_precision as fp
 from fsdp_precision import PatchIntegrityError, UnsupportedTorchError
-from fsdp_precision._patch import _release_module, torch_release
-from fsdp_precision._patch import v2_13, v2_14
+from fsdp_precision._patch import _release_module, torch_release, v2_13, v2_14
 from fsdp_precision._patch._sources import resolve, source_sha256, verify_sources
 from fsdp_precision._patch._targets import RELIED_ON, REPLACED
 
@@ -30,7 +29,12 @@ def restore_patch_state() -> Iterator[None]:
 
 @pytest.mark.parametrize(
     ("version", "release"),
-    [("2.13.0", "2.13"), ("2.13.0+cpu", "2.13"), ("2.14.1+cu130", "2.14"), ("2.15.0a0+git1", "2.15")],
+    [
+        ("2.13.0", "2.13"),
+        ("2.13.0+cpu", "2.13"),
+        ("2.14.1+cu130", "2.14"),
+        ("2.15.0a0+git1", "2.15"),
+    ],
 )
 def test_release_ignores_build_suffix(version: str, release: str) -> None:
     assert torch_release(version) == release
@@ -98,7 +102,9 @@ def test_tampered_source_is_refused(
 
 def test_wrong_recorded_hash_names_function_and_version() -> None:
     target = REPLACED[0]
-    with pytest.raises(PatchIntegrityError, match=r"refuses to patch torch 9\.9: .*_init_param_group"):
+    with pytest.raises(
+        PatchIntegrityError, match=r"refuses to patch torch 9\.9: .*_init_param_group"
+    ):
         verify_sources({target: "0" * 64}, torch_version="9.9")
     with pytest.raises(PatchIntegrityError, match=r"cannot find .*no_such_function"):
         verify_sources({REPLACED[0] + "_no_such_function": "0" * 64}, torch_version="9.9")

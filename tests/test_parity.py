@@ -8,6 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from fsdp_precision import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._observe import CollectiveRecorder, GatherProbe
+
 from _harness import OK, collect_cases, run_cases, unpatched
 from _models import (
     KEEP_IN_BLOCK,
@@ -21,10 +26,6 @@ from _models import (
     net,
     train_in_lockstep,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-from fsdp_precision import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import CollectiveRecorder, GatherProbe
 
 STD = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 FP32_CHILD = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)

@@ -75,7 +75,11 @@ def test_policy_is_a_frozen_hashable_mixed_precision_policy() -> None:
         policy.param_dtype = torch.float16  # type: ignore[misc]
     with pytest.raises(TypeError):
         policy.param_dtype_map["x"] = torch.float32  # type: ignore[index]
-    same = P(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, param_dtype_map=dict(policy.param_dtype_map))
+    same = P(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_map=dict(policy.param_dtype_map),
+    )
     assert policy == same and hash(policy) == hash(same)
     assert policy != P(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert "norm.weight" in repr(policy) and "torch.float32" in repr(policy)

@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _harness import OK, collect_cases, run_cases, unpatched
-from _models import bf16, fp32, local
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_precision import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._patch import torch_release
 from fsdp_precision._observe import CollectiveRecorder
+from fsdp_precision._patch import torch_release
+
+from _harness import OK, collect_cases, run_cases, unpatched
+from _models import bf16, fp32, local
 
 
 class MLP(nn.Module):  # torch.testing._internal.common_fsdp.MLP
@@ -292,4 +293,3 @@ def results() -> dict[str, str]:
 @pytest.mark.parametrize("case", CASES)
 def test_ported(results: dict[str, str], case: str) -> None:
     assert results[case] == OK, results[case]
-

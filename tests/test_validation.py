@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from _models import Block, bf16, fp16, fp32, net
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import GatherProbe
+
+from _models import Block, bf16, fp16, fp32, net
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -157,9 +158,7 @@ EXTRAS = {
 def test_non_floating_parameters_coexist_frozen_or_ignored(kind: str, ignored: bool) -> None:
     model = WithExtras(EXTRAS[kind].clone())
     keep = {"norm.weight": fp32, "norm.bias": fp32}
-    fully_shard(
-        model, mp_policy=policy(keep), ignored_params={model.extra} if ignored else None
-    )
+    fully_shard(model, mp_policy=policy(keep), ignored_params={model.extra} if ignored else None)
     with GatherProbe(model) as probe:
         model(torch.randn(2, 8)).float().sum().backward()
     assert probe.seen["extra"].dtype == EXTRAS[kind].dtype
@@ -169,11 +168,15 @@ def test_non_floating_parameters_coexist_frozen_or_ignored(kind: str, ignored: b
 
 def test_non_floating_parameter_cannot_be_mapped() -> None:
     model = WithExtras(torch.arange(6))
-    with pytest.raises(ParamDtypeMapError, match=r"key 'extra' names a int64 parameter; .*ignored_params"):
+    with pytest.raises(
+        ParamDtypeMapError, match=r"key 'extra' names a int64 parameter; .*ignored_params"
+    ):
         fully_shard(model, mp_policy=policy({"extra": fp32}))
 
 
 def test_trainable_complex_parameter_in_a_mixed_unit_rejected() -> None:
     model = WithExtras(torch.randn(6, dtype=torch.complex64), trainable=True)
-    with pytest.raises(ParamDtypeMapError, match=r"trainable complex parameter 'extra' .* ignored_params"):
+    with pytest.raises(
+        ParamDtypeMapError, match=r"trainable complex parameter 'extra' .* ignored_params"
+    ):
         fully_shard(model, mp_policy=policy({"norm.weight": fp32, "norm.bias": fp32}))

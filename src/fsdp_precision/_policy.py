@@ -1,4 +1,4 @@
-"""``ParamDtypeMixedPrecisionPolicy``: torch's ``MixedPrecisionPolicy`` plus exact per-FQN dtypes."""
+"""``ParamDtypeMixedPrecisionPolicy``: torch's ``MixedPrecisionPolicy`` plus per-FQN dtypes."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def resolve_param_dtype_map(
     """
     managed = {id(p) for p in params}
     fqns: dict[int, list[str]] = {}
-    unmanaged: dict[str, nn.Parameter] = {}
+    unmanaged: dict[str, torch.Tensor] = {}
     by_name: dict[str, list[nn.Parameter]] = {}
     for module in modules:
         for fqn, param in module.named_parameters(remove_duplicate=False):
@@ -103,9 +103,9 @@ def resolve_param_dtype_map(
     by_slot: dict[tuple[int, str], torch.dtype] = {}
     for module in modules:
         for submodule in module.modules():
-            for name, param in submodule._parameters.items():
-                if param is not None and id(param) in by_param:
-                    by_slot[(id(submodule), name)] = by_param[id(param)]
+            for name, slot in submodule._parameters.items():
+                if slot is not None and id(slot) in by_param:
+                    by_slot[(id(submodule), name)] = by_param[id(slot)]
     return ResolvedMap(
         by_param=by_param,
         by_slot=by_slot,
@@ -114,7 +114,7 @@ def resolve_param_dtype_map(
 
 
 def _unknown_key_message(
-    key: str, by_name: dict[str, list[nn.Parameter]], unmanaged: dict[str, nn.Parameter]
+    key: str, by_name: dict[str, list[nn.Parameter]], unmanaged: dict[str, torch.Tensor]
 ) -> str:
     if key in unmanaged:
         owner = (

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fsdp-precision`` console script."""
     args = _parser().parse_args(argv)
-    from .._errors import FsdpPrecisionError
+    from fsdp_precision._errors import FsdpPrecisionError
 
     try:
         if args.command == "demo":

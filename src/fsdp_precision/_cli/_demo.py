@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._dtypes import dtype_name
-from .._observe import CollectiveRecorder, GatherProbe
-from .._patch import apply_param_dtype_map_patch
-from .._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._dtypes import dtype_name
+from fsdp_precision._observe import CollectiveRecorder, GatherProbe
+from fsdp_precision._patch import apply_param_dtype_map_patch
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+
 from ._tiny import KEEP_IN_FP32, TinyConfig, TinyDecoder
 
 __all__ = ["DemoOptions", "run"]
@@ -67,13 +68,13 @@ def run(opts: DemoOptions) -> int:
     """Run the demo: under torchrun in this process, else spawn ``opts.nproc`` processes."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_rank(opts, launched=False)
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(
+    start_processes(  # type: ignore[no-untyped-call]
         _spawned, args=(opts, port), nprocs=opts.nproc, join=True, start_method="spawn"
     )
     return 0
@@ -149,7 +150,8 @@ def _wrap_reference(model: TinyDecoder) -> None:
 
 
 def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    out: torch.Tensor = t.to_local() if hasattr(t, "to_local") else t
+    return out
 
 
 def _train_and_check(opts: DemoOptions, device: torch.device, backend: str) -> bool:
@@ -199,10 +201,10 @@ def _train_and_check(opts: DemoOptions, device: torch.device, backend: str) -> b
             loss_ours = ours.loss(tokens)
             if step == 0:
                 _attribute_forward(rec_ours, current, rows)
-            loss_ours.backward()
+            loss_ours.backward()  # type: ignore[no-untyped-call]
         with CollectiveRecorder() as rec_ref:
             loss_ref = ref.loss(tokens)
-            loss_ref.backward()
+            loss_ref.backward()  # type: ignore[no-untyped-call]
         if probe is not None:
             probe.remove()
             _fill_gathered(rows, probe, units)
@@ -214,7 +216,8 @@ def _train_and_check(opts: DemoOptions, device: torch.device, backend: str) -> b
         if not same_loss:
             mismatches.append(f"step {step + 1}: loss")
         for name, po, pr in zip(fqns, ours.parameters(), ref.parameters(), strict=True):
-            if not torch.equal(_local(po.grad), _local(pr.grad)) or po.grad.dtype != pr.grad.dtype:
+            go, gr = _local(po.grad), _local(pr.grad)
+            if go.dtype != gr.dtype or not torch.equal(go, gr):
                 mismatches.append(f"step {step + 1}: grad {name}")
         opt_ours.step()
         opt_ref.step()
@@ -242,16 +245,16 @@ def _train_and_check(opts: DemoOptions, device: torch.device, backend: str) -> b
             f"{world} ranks",
         )
     else:
-        print(
-            f"rank {dist.get_rank()}: parity FAILED: " + "; ".join(mismatches[:8]), flush=True
-        )
+        print(f"rank {dist.get_rank()}: parity FAILED: " + "; ".join(mismatches[:8]), flush=True)
     return ok
 
 
-def _attribute_forward(rec: CollectiveRecorder, current: list[str], rows: dict[str, UnitRow]):
+def _attribute_forward(
+    rec: CollectiveRecorder, current: list[str], rows: dict[str, UnitRow]
+) -> None:
     # Forward all-gathers happen in order, one per unit, right after its pre-forward marker.
     gathers = rec.of("all_gather")
-    for name, gather in zip(current, gathers):
+    for name, gather in zip(current, gathers, strict=False):  # backward gathers follow
         row = rows[name]
         row.forward_bytes += gather.output_bytes
         row.forward_gathers += 1
@@ -270,7 +273,10 @@ def _fill_gathered(
 
 
 def _print_units(rows: dict[str, UnitRow], counts: dict[str, tuple[int, int]]) -> None:
-    header = f"{'FSDP unit':<10} {'all-gathered params by dtype (numel)':<40} {'bytes/all-gather':>16}  wire"
+    header = (
+        f"{'FSDP unit':<10} {'all-gathered params by dtype (numel)':<40} "
+        f"{'bytes/all-gather':>16}  wire"
+    )
     lines = [header, "-" * len(header)]
     for row in rows.values():
         dtypes = ", ".join(f"{k} {v:,}" for k, v in sorted(row.gathered.items()))

@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        out: torch.Tensor = (h * self.weight.float()).to(x.dtype)
+        return out
 
 
 class Block(nn.Module):
@@ -50,7 +51,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim)
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.dim))
+            nn.Sequential(
+                nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.dim)
+            )
             for _ in range(cfg.experts)
         )
 
@@ -65,7 +68,8 @@ class Block(nn.Module):
         # The router runs in its own weight's dtype (fp32 when kept), like HF MoE routers.
         weights = self.router(h.to(self.router.weight.dtype)).softmax(-1).to(h.dtype)
         mixed = sum(weights[..., i : i + 1] * e(h) for i, e in enumerate(self.experts))
-        return x + mixed
+        out: torch.Tensor = x + mixed
+        return out
 
 
 class TinyDecoder(nn.Module):
@@ -81,8 +85,9 @@ class TinyDecoder(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
+        logits: torch.Tensor = self(tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

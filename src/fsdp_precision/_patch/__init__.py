@@ -15,7 +15,8 @@ from types import ModuleType
 
 import torch
 
-from .._errors import UnsupportedTorchError
+from fsdp_precision._errors import UnsupportedTorchError
+
 from ._sources import verify_sources
 
 __all__ = [

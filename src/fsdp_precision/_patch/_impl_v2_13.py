@@ -40,10 +40,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.tensor import DTensor
 
-from .._dtypes import dtype_name
-from .._errors import ParamDtypeMapError
-from .._policy import ParamDtypeMixedPrecisionPolicy
-from .._resolve import resolve_param_dtype_map
+from fsdp_precision._dtypes import dtype_name
+from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._resolve import resolve_param_dtype_map
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def _init_param_group(
     if not _has_map(mp_policy):
         return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
     try:
+        assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # _has_map
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
     except ParamDtypeMapError:
         _undo_state_init(state, modules)
@@ -226,7 +227,7 @@ def _get_param_all_gather_inputs(fsdp_params: list[FSDPParam]) -> list[list[torc
         flat = torch.empty((sum(numels),), device=fsdp_params[indices[0]].device, dtype=dtype)
         splits = torch.split(flat, numels)
         torch._foreach_copy_(splits, sources)
-        for i, split in zip(indices, splits):
+        for i, split in zip(indices, splits, strict=True):
             inputs[i] = [split]
     return inputs
 
@@ -356,7 +357,7 @@ def _foreach_reduce_mixed(
     current_stream = device_handle.current_stream()
 
     if world_size > 1:
-        for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, grads)):
+        for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, grads, strict=True)):
             if (shard_dim := fsdp_param.fsdp_placement.dim) == 0:
                 continue
             if grad.size(shard_dim) % world_size != 0:
@@ -375,9 +376,8 @@ def _foreach_reduce_mixed(
     # [mixed] copy-in: one chunk_cat per gradient-dtype run, into that run's columns of the
     # (world_size, numel / world_size) send buffer; each casts to reduce_dtype as it copies.
     rows = reduce_scatter_input.view(world_size, -1)
-    grad_dtypes = [g.dtype for g in grads]
     column = 0
-    for start, stop in _runs(grad_dtypes):
+    for start, stop in _runs([g.dtype for g in grads]):
         width = sum(columns[start:stop])
         out = rows if (start, stop) == (0, len(grads)) else rows[:, column : column + width]
         torch.ops.fsdp.chunk_cat(grads[start:stop], dim=0, num_chunks=world_size, out=out)
@@ -446,7 +446,7 @@ def _foreach_reduce_mixed(
                 reduce_output.narrow(0, flat_offset, run_numel), fsdp_params[start].orig_dtype
             )
             base = run_output.storage_offset()
-            for fsdp_param, width in zip(fsdp_params[start:stop], columns[start:stop]):
+            for fsdp_param, width in zip(fsdp_params[start:stop], columns[start:stop], strict=True):
                 new_sharded_grad = torch.as_strided(
                     run_output,
                     size=fsdp_param.sharded_size,
@@ -511,7 +511,7 @@ def install() -> None:
     """Swap the four functions in; idempotent."""
     if _originals:
         return
-    for owner, name, replacement in _replacements():
+    for owner, name, _ in _replacements():
         _originals[(owner, name)] = owner.__dict__[name]
     for owner, name, replacement in _replacements():
         setattr(owner, name, replacement)

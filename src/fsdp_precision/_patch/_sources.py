@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import PatchIntegrityError
+from fsdp_precision._errors import PatchIntegrityError
 
 __all__ = ["resolve", "source_sha256", "verify_sources"]
 
@@ -26,7 +26,9 @@ def resolve(target: str) -> Any:
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         owner = obj
-        obj = inspect.getattr_static(owner, part) if isinstance(owner, type) else getattr(owner, part)
+        obj = (
+            inspect.getattr_static(owner, part) if isinstance(owner, type) else getattr(owner, part)
+        )
     if isinstance(obj, property):
         obj = obj.fget
     if isinstance(obj, (staticmethod, classmethod)):
