@@ -238,6 +238,32 @@ def case_reshard_after_forward_on_and_off() -> None:
         assert rec.count("all_gather") == gathers, (reshard, rec.calls)
 
 
+def case_mixed_inference_and_training_passes() -> None:
+    """no_grad forwards interleaved with training steps: same dtypes, same results."""
+    ref, ours = clones(net(), 2)
+    wrap_children(ref)
+    wrap_mapped(ours)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    for step in range(3):
+        with torch.no_grad():
+            evals = [m(inputs(100 + step)) for m in (ref, ours)]
+        assert torch.equal(evals[0], evals[1]), step
+        outs = [m(inputs(step)) for m in (ref, ours)]
+        with torch.no_grad():  # a forward between forward and backward
+            again = [m(inputs(200 + step)) for m in (ref, ours)]
+        assert torch.equal(again[0], again[1]), step
+        for out in outs:
+            loss_of(out).backward()
+        assert_same_grads(ref, ours)
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    with GatherProbe(ours) as probe, torch.no_grad():
+        ours(inputs(9))
+    assert probe.seen["blocks.0.gate.weight"].dtype == fp32
+    assert probe.seen["blocks.0.up.weight"].dtype == bf16
+
+
 def case_gradient_accumulation_without_sync() -> None:
     ref, ours = clones(net(), 2)
     wrap_children(ref)
