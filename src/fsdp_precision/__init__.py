@@ -29,7 +29,9 @@ from ._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
+from ._plan import PlannedParam, PlannedUnit, PrecisionPlan, compile_param_dtype_maps, default_units
 from ._policy import ParamDtypeMixedPrecisionPolicy
+from ._rules import Glob, ModuleClass, PrecisionRules
 
 __version__ = "0.1.0"
 
@@ -37,11 +39,19 @@ __all__ = [
     "MAPPABLE_DTYPES",
     "SUPPORTED_RELEASES",
     "FsdpPrecisionError",
+    "Glob",
+    "ModuleClass",
     "ParamDtypeMapError",
     "ParamDtypeMixedPrecisionPolicy",
     "PatchIntegrityError",
+    "PlannedParam",
+    "PlannedUnit",
+    "PrecisionPlan",
+    "PrecisionRules",
     "UnsupportedTorchError",
     "apply_param_dtype_map_patch",
+    "compile_param_dtype_maps",
+    "default_units",
     "is_param_dtype_map_patch_applied",
     "remove_param_dtype_map_patch",
 ]

@@ -1,0 +1,199 @@
+"""Real architectures from their config classes at tiny sizes (no downloads), with inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[torch.Generator], dict[str, Any]]
+    dtype: torch.dtype  # compute dtype at which the library keeps something
+    kept: tuple[str, ...]  # substrings of FQNs expected to be kept in fp32
+    units: Callable[[nn.Module], list[nn.Module]] | None = None
+
+
+def _ids(g: torch.Generator, vocab: int = 96, shape: tuple[int, int] = (2, 8)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=g)
+
+
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=96,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(cfg)
+
+
+def deepseek_v3() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def gpt_oss() -> nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return GptOssForCausalLM(cfg)
+
+
+def rwkv() -> nn.Module:
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    cfg = RwkvConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        context_length=16,
+    )
+    return RwkvForCausalLM(cfg)
+
+
+def afmoe() -> nn.Module:
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    cfg = AfmoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_dense_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        max_position_embeddings=64,
+    )
+    return AfmoeForCausalLM(cfg)
+
+
+def lm_inputs(g: torch.Generator) -> dict[str, Any]:
+    ids = _ids(g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def t5_inputs(g: torch.Generator) -> dict[str, Any]:
+    return {"input_ids": _ids(g), "labels": _ids(g, shape=(2, 6))}
+
+
+def wan_block() -> nn.Module:
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    return WanTransformerBlock(
+        dim=32,
+        ffn_dim=64,
+        num_heads=4,
+        qk_norm="rms_norm_across_heads",
+        cross_attn_norm=True,
+        eps=1e-6,
+    )
+
+
+def wan_inputs(g: torch.Generator) -> dict[str, Any]:
+    seq, dim = 6, 32
+    freqs = torch.randn(1, seq, 1, 4, generator=g)  # (cos, sin) halves of head_dim 8
+    return {
+        "hidden_states": torch.randn(2, seq, dim, generator=g),
+        "encoder_hidden_states": torch.randn(2, 5, dim, generator=g),
+        "temb": torch.randn(2, 6, dim, generator=g),
+        "rotary_emb": (freqs.cos().repeat_interleave(2, -1), freqs.sin().repeat_interleave(2, -1)),
+    }
+
+
+def wan() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
+
+
+def wan_model_inputs(g: torch.Generator) -> dict[str, Any]:
+    return {
+        "hidden_states": torch.randn(1, 4, 2, 4, 4, generator=g),
+        "timestep": torch.tensor([10]),
+        "encoder_hidden_states": torch.randn(1, 5, 16, generator=g),
+        "return_dict": False,
+    }
+
+
+def wan_model() -> Arch:
+    return Arch("wan", wan, wan_model_inputs, bf16, ("scale_shift_table", "time_embedder", "norm2"))
+
+
+ARCHS = {
+    "t5": Arch("t5", t5, t5_inputs, fp16, (".wo.",)),
+    "deepseek_v3": Arch("deepseek_v3", deepseek_v3, lm_inputs, bf16, ("mlp.gate.weight",)),
+    "gpt_oss": Arch("gpt_oss", gpt_oss, lm_inputs, fp16, ("layernorm.weight", "model.norm.weight")),
+    "rwkv": Arch("rwkv", rwkv, lm_inputs, fp16, ("time_decay", "time_first")),
+    "afmoe": Arch("afmoe", afmoe, lm_inputs, fp16, ("norm.weight", "expert_bias")),
+}
