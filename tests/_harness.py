@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 import fsdp_precision as fp
 
 OK = "ok"
+SKIP = "skip: "
 
 
 def _free_port() -> int:
@@ -49,6 +51,8 @@ def _worker(
         try:
             getattr(mod, name)()
             results[name] = OK
+        except pytest.skip.Exception as exc:
+            results[name] = f"{SKIP}{exc.msg}"
         except BaseException:  # noqa: BLE001 - reported to the parent test
             results[name] = f"rank {rank}: " + traceback.format_exc()
         finally:
@@ -88,9 +92,17 @@ def run_cases(world_size: int, module: str, cases: Sequence[str]) -> dict[str, s
                     if path.exists()
                     else crashed or "missing"
                 )
-            failures = [o for o in outcomes if o != OK]
-            merged[name] = failures[0] if failures else OK
+            failures = [o for o in outcomes if o != OK and not o.startswith(SKIP)]
+            skips = [o for o in outcomes if o.startswith(SKIP)]
+            merged[name] = failures[0] if failures else (skips[0] if skips else OK)
         return merged
+
+
+def check(result: str) -> None:
+    """Assert one case's merged outcome (a skip on the ranks skips the test)."""
+    if result.startswith(SKIP):
+        pytest.skip(result.removeprefix(SKIP))
+    assert result == OK, result
 
 
 def collect_cases(module_globals: dict[str, object]) -> list[str]:

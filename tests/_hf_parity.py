@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -69,14 +70,21 @@ def run_arch(name: str, *, stored_low: bool) -> None:
     ``from_pretrained(dtype=...)`` gives); else fp32 master weights with a low compute dtype."""
     arch = ARCHS[name] if name != "wan" else wan_model()
     torch.manual_seed(0)
-    model = arch.build()
+    try:
+        model = arch.build()
+    except ImportError as exc:  # e.g. Afmoe is newer than transformers 4.x
+        pytest.skip(f"{name} is not in this transformers release: {exc}")
+    declared = set().union(*(d.params for d in hf.keep_in_fp32_declarations(model, arch.dtype)))
+    if not declared:
+        pytest.skip(f"{type(model).__name__} declares no keep-in-fp32 list in this release")
     if stored_low:
         hf.cast_keeping_fp32(model, arch.dtype)
     ref = copy.deepcopy(model)
     rules = PrecisionRules(param_dtype=None if stored_low else arch.dtype, reduce_dtype=fp32)
     plan = compile_param_dtype_maps(model, rules)
     kept = {p.fqn for u in plan.units for p in u.params if p.rule != "default"}
-    assert kept and all(any(k in f for k in arch.kept) for f in kept), sorted(kept)
+    assert kept == declared, sorted(kept ^ declared)
+    assert all(any(k in f for k in arch.kept) for f in kept), sorted(kept)
     compute = {}
     for unit in plan.units:
         for p in unit.params:

@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 
 from _hf_parity import run_arch  # noqa: E402
 
-from _harness import OK, run_cases  # noqa: E402
+from _harness import check, run_cases  # noqa: E402
 
 ARCH_NAMES = ["t5", "deepseek_v3", "gpt_oss", "rwkv", "afmoe", "wan"]
 SETUPS = {"fp32_master": False, "stored_low": True}
@@ -50,4 +50,4 @@ def results() -> dict[str, str]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks(results: dict[str, str], case: str) -> None:
-    assert results[case] == OK, results[case]
+    check(results[case])
