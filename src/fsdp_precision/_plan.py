@@ -256,33 +256,32 @@ class PrecisionPlan:
             f"world size {self.world_size} (bytes include FSDP's dim-0 padding)",
             "",
         ]
+        previous: tuple[Any, ...] | None = None
+        repeats: list[str] = []
+
+        def flush() -> None:
+            if repeats:
+                lines.append(
+                    f"units {repeats[0]} .. {repeats[-1]} ({len(repeats)} units): "
+                    "same as the unit above"
+                )
+                repeats.clear()
+
         for unit in self.units:
             if not unit.params:
                 continue
-            ag, rs = unit.collectives_per_step()
-            by_dtype = ", ".join(
-                f"{k} {v:,} B" for k, v in sorted(unit.gather_bytes(self.world_size).items())
+            signature = (
+                tuple((p.key, p.storage, p.compute, p.rule.split(" ")[0]) for p in unit.params),
+                unit.split_child,
+                unit.is_root,
             )
-            tag = " [split child, param_dtype=None]" if unit.split_child else ""
-            lines.append(
-                f"unit {unit.name}{tag}: {len(unit.params)} params; all-gather {by_dtype}; "
-                f"{ag} all-gathers + {rs} reduce-scatter per step"
-            )
-            claimed = [p for p in unit.params if p.rule != "default"]
-            for p in claimed[:max_params]:
-                alias = f" (= {', '.join(p.aliases)})" if p.aliases else ""
-                lines.append(
-                    f"    {p.fqn:<48} {dtype_name(p.storage):>8} -> {dtype_name(p.compute):<8} "
-                    f"by {p.rule}{alias}"
-                )
-            if len(claimed) > max_params:
-                lines.append(f"    ... and {len(claimed) - max_params} more claimed parameters")
-            others = len(unit.params) - len(claimed)
-            if others:
-                default = (
-                    dtype_name(self.rules.param_dtype) if self.rules.param_dtype else "storage"
-                )
-                lines.append(f"    {others} other parameters compute in {default}")
+            if signature == previous:
+                repeats.append(unit.name)
+                continue
+            flush()
+            previous = signature
+            lines.extend(self._unit_lines(unit, max_params))
+        flush()
         lines.append("")
         lines.append("rules (first match wins):")
         for label, fqns in self.rule_claims.items():
@@ -307,6 +306,32 @@ class PrecisionPlan:
             f"reduce-scatters ({alt['separate_fp32_units']['units']} units)",
         ]
         return "\n".join(lines)
+
+    def _unit_lines(self, unit: PlannedUnit, max_params: int) -> list[str]:
+        lines: list[str] = []
+        ag, rs = unit.collectives_per_step()
+        by_dtype = ", ".join(
+            f"{k} {v:,} B" for k, v in sorted(unit.gather_bytes(self.world_size).items())
+        )
+        tag = " [split child, param_dtype=None]" if unit.split_child else ""
+        lines.append(
+            f"unit {unit.name}{tag}: {len(unit.params)} params; all-gather {by_dtype}; "
+            f"{ag} all-gathers + {rs} reduce-scatter per step"
+        )
+        claimed = [p for p in unit.params if p.rule != "default"]
+        for p in claimed[:max_params]:
+            alias = f" (= {', '.join(p.aliases)})" if p.aliases else ""
+            lines.append(
+                f"    {p.fqn:<48} {dtype_name(p.storage):>8} -> {dtype_name(p.compute):<8} "
+                f"by {p.rule}{alias}"
+            )
+        if len(claimed) > max_params:
+            lines.append(f"    ... and {len(claimed) - max_params} more claimed parameters")
+        others = len(unit.params) - len(claimed)
+        if others:
+            default = dtype_name(self.rules.param_dtype) if self.rules.param_dtype else "storage"
+            lines.append(f"    {others} other parameters compute in {default}")
+        return lines
 
 
 def _owner(model: nn.Module, fqn: str) -> nn.Module:

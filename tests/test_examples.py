@@ -1,0 +1,26 @@
+"""Every example in examples/ runs as documented."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: Path) -> None:
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"}
+    from _harness import _free_port
+
+    env["MASTER_PORT"] = str(_free_port())
+    out = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "router gathered in torch.float32" in out.stdout or path.name != "plan_and_wrap.py"
