@@ -8,6 +8,7 @@ the reference gradient bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -65,7 +66,7 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if getattr(out, "logits", None) is not None else out.sample
 
 
-def run_arch(name: str, *, stored_low: bool) -> None:
+def run_arch(name: str, *, stored_low: bool, autocast: bool = False) -> None:
     """``stored_low``: the model is stored in the arch dtype with kept tensors in fp32 (what
     ``from_pretrained(dtype=...)`` gives); else fp32 master weights with a low compute dtype."""
     arch = ARCHS[name] if name != "wan" else wan_model()
@@ -112,9 +113,11 @@ def run_arch(name: str, *, stored_low: bool) -> None:
             ),
             inputs,
         )
-    with GatherProbe(model) as probe:
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with GatherProbe(model) as probe, context:
         out = model(**inputs)
-    ref_out = ref(**inputs)
+    with context:
+        ref_out = ref(**inputs)
     logits, ref_logits = _logits(out), _logits(ref_out)
     assert logits.dtype == ref_logits.dtype and torch.equal(logits, ref_logits), name
     loss = out.loss if getattr(out, "loss", None) is not None else logits.float().pow(2).mean()

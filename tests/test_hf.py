@@ -18,6 +18,9 @@ from _harness import check, run_cases  # noqa: E402
 
 ARCH_NAMES = ["t5", "deepseek_v3", "gpt_oss", "rwkv", "afmoe", "wan"]
 SETUPS = {"fp32_master": False, "stored_low": True}
+# RWKV is left out under autocast: its fp16 layer norms reject bf16-autocast activations on CPU
+# with or without FSDP (checked on the unsharded model).
+AUTOCAST_ARCHS = [a for a in ARCH_NAMES if a != "rwkv"]
 
 
 @pytest.mark.usefixtures("world1")
@@ -25,6 +28,13 @@ SETUPS = {"fp32_master": False, "stored_low": True}
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_one_rank(arch: str, setup: str) -> None:
     run_arch(arch, stored_low=SETUPS[setup])
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("arch", AUTOCAST_ARCHS)
+def test_one_rank_under_autocast(arch: str, setup: str) -> None:
+    run_arch(arch, stored_low=SETUPS[setup], autocast=True)
 
 
 def _make_case(arch: str, setup: str):
