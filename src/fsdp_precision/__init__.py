@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from ._config import PRESETS, DistributedConfig
 from ._dtypes import MAPPABLE_DTYPES
 from ._errors import (
     FsdpPrecisionError,
@@ -32,12 +33,20 @@ from ._patch import (
 from ._plan import PlannedParam, PlannedUnit, PrecisionPlan, compile_param_dtype_maps, default_units
 from ._policy import ParamDtypeMixedPrecisionPolicy
 from ._rules import Glob, ModuleClass, PrecisionRules
+from ._wrap import (
+    auto_wrap_units,
+    make_grad_scaler,
+    plan_model_for_training,
+    wrap_model_for_training,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MAPPABLE_DTYPES",
+    "PRESETS",
     "SUPPORTED_RELEASES",
+    "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
     "ModuleClass",
@@ -50,10 +59,14 @@ __all__ = [
     "PrecisionRules",
     "UnsupportedTorchError",
     "apply_param_dtype_map_patch",
+    "auto_wrap_units",
     "compile_param_dtype_maps",
     "default_units",
     "is_param_dtype_map_patch_applied",
+    "make_grad_scaler",
+    "plan_model_for_training",
     "remove_param_dtype_map_patch",
+    "wrap_model_for_training",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -516,10 +516,14 @@ def _majority_dtype(model: nn.Module) -> torch.dtype:
 def _policy_for(
     unit: PlannedUnit, keys: dict[str, tuple[torch.dtype | None, str]], rules: PrecisionRules
 ) -> MixedPrecisionPolicy:
+    # A unit whose every parameter is kept (e.g. a norm or an embedder that the size rule made
+    # its own unit) must not cast its inputs to param_dtype: that would move the activation
+    # boundary and lose exactly the precision the rules keep.
+    all_kept = bool(unit.params) and all(p.rule != "default" for p in unit.params)
     common = dict(
         reduce_dtype=rules.reduce_dtype,
         output_dtype=rules.output_dtype,
-        cast_forward_inputs=rules.cast_forward_inputs,
+        cast_forward_inputs=rules.cast_forward_inputs and not all_kept,
     )
     if unit.split_child:
         # param_dtype=None, not float32: the activation boundary must not move.

@@ -1,0 +1,311 @@
+"""DistributedConfig, size-based units and wrap_model_for_training on CPU (gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_precision import (
+    DistributedConfig,
+    Glob,
+    ModuleClass,
+    auto_wrap_units,
+    make_grad_scaler,
+    plan_model_for_training,
+    wrap_model_for_training,
+)
+
+from _harness import check, collect_cases, run_cases
+from _models import Net, bf16, clones, fp16, fp32, inputs, local, loss_of, net, train_in_lockstep
+
+KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
+
+# ---------------------------------------------------------------------- config
+
+
+BAD_CONFIGS = [
+    (
+        {"parallel_strategy": "zero3"},
+        r"parallel_strategy is 'zero3'; use 'none', 'ddp', 'fsdp' or 'hsdp'",
+    ),
+    (
+        {"fsdp_mixed_precision": "int8"},
+        r"fsdp_mixed_precision is 'int8'; use 'fp32', 'bf16' or 'fp16'",
+    ),
+    (
+        {"fsdp_auto_wrap_min_params": -1},
+        r"fsdp_auto_wrap_min_params is -1; use a non-negative integer",
+    ),
+    ({"fsdp_auto_wrap_min_params": 1.5}, r"fsdp_auto_wrap_min_params is 1.5; use a non-negative"),
+    ({"fsdp_cpu_offload": "yes"}, r"fsdp_cpu_offload is 'yes'; use True or False"),
+    (
+        {"parallel_strategy": "hsdp"},
+        r"hsdp_replicate_size is None; 'hsdp' needs a positive replica count",
+    ),
+    (
+        {"hsdp_replicate_size": 2},
+        r"hsdp_replicate_size is 2; it applies to parallel_strategy='hsdp' only",
+    ),
+    (
+        {"precision_rules": ("*norm",)},
+        r"precision_rules\[0\] is '\*norm'; use Glob\(...\) or ModuleClass",
+    ),
+    ({"precision_strategy": "both"}, r"precision_strategy is 'both'; use 'patch' or 'split'"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_CONFIGS)
+def test_config_rejects_bad_values(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=r"DistributedConfig\." + message):
+        DistributedConfig(**kwargs)
+
+
+def test_config_is_keyword_only_and_presets_expand() -> None:
+    with pytest.raises(TypeError):
+        DistributedConfig("fsdp")  # type: ignore[misc]
+    assert DistributedConfig().fsdp_auto_wrap_min_params == 10_000_000
+    for preset, (param, reduce) in {
+        "bf16": (bf16, fp32),
+        "fp16": (fp16, fp32),
+        "fp32": (None, None),
+    }.items():
+        rules = DistributedConfig(fsdp_mixed_precision=preset).precision()
+        assert (rules.param_dtype, rules.reduce_dtype) == (param, reduce)
+    text = DistributedConfig(precision_rules=(ModuleClass(nn.LayerNorm),)).precision().describe()
+    assert text == (
+        "default bfloat16, reduce float32; rules: class LayerNorm -> float32, "
+        "then model keep-in-fp32 declarations (patch)"
+    )
+
+
+# ---------------------------------------------------------------------- units
+
+
+def names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    lookup = {id(m): n or "<root>" for n, m in model.named_modules()}
+    return [lookup[id(u)] for u in units]
+
+
+@pytest.mark.parametrize(
+    ("min_params", "expected"),
+    [
+        (2_000_000, ["<root>"]),
+        (905, ["<root>"]),  # blocks are 904 each; the ModuleList is never a unit
+        (904, ["blocks.0", "blocks.1", "<root>"]),
+        (401, ["blocks.0.up", "blocks.0", "blocks.1.up", "blocks.1", "<root>"]),
+        (
+            0,
+            [
+                "blocks.0.norm",
+                "blocks.0.up",
+                "blocks.0.down",
+                "blocks.0.gate",
+                "blocks.1.norm",
+                "blocks.1.up",
+                "blocks.1.down",
+                "blocks.1.gate",
+                "norm",
+                "head",
+                "<root>",
+            ],
+        ),
+    ],
+)
+def test_size_based_units(min_params: int, expected: list[str]) -> None:
+    model = Net()
+    assert names(model, auto_wrap_units(model, min_params)) == expected
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def test_no_split_blocks_and_ties_are_respected() -> None:
+    pytest.importorskip("transformers")
+    model = tiny_llama()
+    units = names(model, auto_wrap_units(model, 0))
+    assert units == ["model.layers.0", "model.layers.1", "model.norm", "<root>"]
+    # embed_tokens and lm_head share one parameter: neither may be a unit of its own.
+    assert "model.embed_tokens" not in units and "lm_head" not in units
+
+
+class Stem(nn.Module):
+    """An fp32-kept norm fed an fp32 tensor computed inside the forward (like Wan's timestep
+    features reaching its fp32 time_embedder), after the root cast its inputs to bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.LayerNorm(8)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.cos(x.float())  # fp32 by construction
+        return self.lin(self.pre(features).to(self.lin.weight.dtype))
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("force_cast", [False, True], ids=["planned", "negative_control"])
+def test_all_kept_unit_does_not_cast_its_inputs(force_cast: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = DistributedConfig(
+        fsdp_auto_wrap_min_params=0, precision_rules=(ModuleClass(nn.LayerNorm),)
+    )
+    model = Stem()
+    plan = plan_model_for_training(model, config)
+    pre_unit = plan.units[0]
+    assert pre_unit.name == "pre" and pre_unit.policy.cast_forward_inputs is False
+    assert plan.units[-1].policy.cast_forward_inputs is True
+    if force_cast:  # what a unit policy with cast_forward_inputs=True would do
+        pre_unit.policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    seen: list[torch.dtype] = []
+    model.pre.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    plan.apply()
+    model(torch.randn(2, 8)).float().sum().backward()
+    assert seen == [bf16 if force_cast else fp32]
+
+
+def test_outside_a_process_group_says_what_to_do() -> None:
+    code = (
+        "from fsdp_precision import DistributedConfig, wrap_model_for_training\n"
+        "import torch\n"
+        "wrap_model_for_training(torch.nn.Linear(2, 2), DistributedConfig())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "parallel_strategy='fsdp' needs a process group, and none is initialized" in out.stderr
+    assert "torchrun --nproc_per_node N" in out.stderr
+
+
+@pytest.mark.usefixtures("world1")
+def test_fsdp_on_one_rank_trains() -> None:
+    model = wrap_model_for_training(
+        net(), DistributedConfig(fsdp_auto_wrap_min_params=900, precision_rules=KEEP)
+    )
+    assert isinstance(model.blocks[0].up.weight, DTensor)
+    loss_of(model(inputs(0))).backward()
+    assert model.blocks[0].gate.weight.grad.dtype == fp32
+
+
+def test_none_strategy_returns_the_model_untouched() -> None:
+    model = Net()
+    assert wrap_model_for_training(model, DistributedConfig(parallel_strategy="none")) is model
+
+
+def test_meta_model_without_state_dict_is_refused(world1: None) -> None:
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(ValueError, match=r"meta device but no full_state_dict was given"):
+        wrap_model_for_training(model, DistributedConfig(fsdp_auto_wrap_min_params=500))
+
+
+# ---------------------------------------------------------------------- distributed cases
+
+
+def case_fsdp_matches_manual_mapped_wrap() -> None:
+    from test_parity import wrap_mapped
+
+    ours, manual = clones(net(), 2)
+    config = DistributedConfig(fsdp_auto_wrap_min_params=900, precision_rules=KEEP)
+    wrap_model_for_training(ours, config)
+    wrap_mapped(manual)
+    train_in_lockstep([ours, manual], steps=2)
+    assert isinstance(ours.blocks[0].up.weight, DTensor)
+    assert ours.blocks[0].up.weight.device_mesh.shape == (dist.get_world_size(),)
+
+
+def case_cpu_offload_trains_like_no_offload() -> None:
+    a, b = clones(net(), 2)
+    wrap_model_for_training(
+        a, DistributedConfig(fsdp_auto_wrap_min_params=900, precision_rules=KEEP)
+    )
+    wrap_model_for_training(
+        b,
+        DistributedConfig(
+            fsdp_auto_wrap_min_params=900, precision_rules=KEEP, fsdp_cpu_offload=True
+        ),
+    )
+    train_in_lockstep([a, b], steps=2)
+
+
+def case_ddp_wraps_and_averages() -> None:
+    model = wrap_model_for_training(net(), DistributedConfig(parallel_strategy="ddp"))
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    loss_of(model(inputs(0))).backward()
+    grad = model.module.head.weight.grad
+    gathered = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, grad)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def case_meta_init_from_rank0_full_state_dict() -> None:
+    torch.manual_seed(dist.get_rank())  # ranks would disagree if anything were re-initialized
+    reference = net(seed=123)
+    full = reference.state_dict() if dist.get_rank() == 0 else {}
+    with torch.device("meta"):
+        model = Net()
+    wrap_model_for_training(
+        model, DistributedConfig(fsdp_auto_wrap_min_params=900), full_state_dict=full
+    )
+    expected = net(seed=123).state_dict()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and not param.is_meta, name
+        assert torch.equal(param.full_tensor(), expected[name]), name
+        assert local(param).numel() <= -(-expected[name].shape[0] // dist.get_world_size()) * max(
+            1, expected[name][0].numel()
+        )
+    loss_of(model(inputs(0))).backward()
+
+
+def case_fp16_scaler_skips_on_every_rank_after_one_overflows() -> None:
+    config = DistributedConfig(
+        fsdp_mixed_precision="fp16", fsdp_auto_wrap_min_params=900, precision_rules=KEEP
+    )
+    model = wrap_model_for_training(net(), config)
+    scaler = make_grad_scaler(config, init_scale=2.0**8)
+    assert make_grad_scaler(DistributedConfig()) is None
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [local(p).clone() for p in model.parameters()]
+    scaler.scale(loss_of(model(inputs(0)))).backward()
+    if dist.get_rank() == 1:
+        local(model.head.weight.grad)[0, 0] = float("inf")  # overflow on one rank only
+    scaler.step(optim)
+    scaler.update()
+    assert all(torch.equal(b, local(p)) for b, p in zip(before, model.parameters()))
+    assert scaler.get_scale() == 2.0**7
+    optim.zero_grad()
+    scaler.scale(loss_of(model(inputs(1)))).backward()  # a clean step applies
+    scaler.step(optim)
+    scaler.update()
+    assert not all(torch.equal(b, local(p)) for b, p in zip(before, model.parameters()))
+
+
+CASES = collect_cases(globals())
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_cases(2, __name__, CASES)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks(results: dict[str, str], case: str) -> None:
+    check(results[case])

@@ -1,0 +1,72 @@
+"""wrap_model_for_training on 4 ranks: FSDP 1x4 and HSDP 2x2 (replicate x shard)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
+
+from _harness import check, collect_cases, run_cases
+from _models import clones, inputs, local, loss_of, net, train_in_lockstep
+
+KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
+
+
+def case_fsdp_1x4() -> None:
+    from test_parity import wrap_mapped
+
+    ours, manual = clones(net(), 2)
+    wrap_model_for_training(
+        ours, DistributedConfig(fsdp_auto_wrap_min_params=900, precision_rules=KEEP)
+    )
+    wrap_mapped(manual)
+    train_in_lockstep([ours, manual], steps=2)
+    assert ours.head.weight.device_mesh.shape == (4,)
+
+
+def case_hsdp_2x2() -> None:
+    config = DistributedConfig(
+        parallel_strategy="hsdp",
+        hsdp_replicate_size=2,
+        fsdp_auto_wrap_min_params=900,
+        precision_rules=KEEP,
+    )
+    model = wrap_model_for_training(net(), config)
+    weight = model.blocks[0].up.weight
+    assert isinstance(weight, DTensor) and weight.device_mesh.shape == (2, 2)
+    assert weight.device_mesh.mesh_dim_names == ("replicate", "shard")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        loss_of(model(inputs(step))).backward()
+        optim.step()
+        optim.zero_grad()
+    # Replicas hold identical shards after training.
+    replicate = weight.device_mesh.get_group("replicate")
+    shard = local(model.blocks[0].up.weight).contiguous()
+    peers = [torch.empty_like(shard) for _ in range(2)]
+    dist.all_gather(peers, shard, group=replicate)
+    assert torch.equal(peers[0], peers[1])
+    assert model.blocks[0].gate.weight.dtype == torch.float32
+
+
+def case_hsdp_replicas_must_divide_world() -> None:
+    config = DistributedConfig(parallel_strategy="hsdp", hsdp_replicate_size=3)
+    with pytest.raises(ValueError, match=r"hsdp_replicate_size=3 does not divide the world size 4"):
+        wrap_model_for_training(net(), config)
+
+
+CASES = collect_cases(globals())
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str]:
+    return run_cases(4, __name__, CASES)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_four_ranks(results: dict[str, str], case: str) -> None:
+    check(results[case])
