@@ -24,11 +24,23 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     config = DeepseekV3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
     )
     model = DeepseekV3ForCausalLM(config)  # fp32 master weights
 

@@ -23,4 +23,8 @@ def test_example_runs(path: Path) -> None:
         [sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "router gathered in torch.float32" in out.stdout or path.name != "plan_and_wrap.py"
+    expected = {
+        "plan_and_wrap.py": "router gathered in torch.float32",
+        "train_distributed.py": "step 3: loss",
+    }
+    assert expected[path.name] in out.stdout, out.stdout[-2000:]
