@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 CLI = [sys.executable, "-m", "fsdp_precision"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TESTS = str(Path(__file__).parent)
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
+}
 
 
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -69,3 +76,49 @@ def test_demo_under_torchrun() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     _check_demo_output(out.stdout)
+
+
+def test_plan_json_for_a_hub_architecture_on_meta() -> None:
+    pytest.importorskip("transformers")
+    out = run(*CLI, "plan", "hf:deepseek_v3", "--world-size", "64", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["model"] == "DeepseekV3ForCausalLM"
+    moe = next(u for u in data["units"] if u["name"] == "model.layers.3")
+    assert moe["policy"]["param_dtype_map"] == {"mlp.gate.weight": "float32"}
+    assert data["memory_per_rank_bytes"]["adamw_state"] > 0
+    assert data["alternatives"]["separate_fp32_units"]["units"] == data["totals"]["units"] + 58
+
+
+def test_plan_table_for_module_callable_with_keep_rules() -> None:
+    out = run(
+        *CLI,
+        "plan",
+        "_models:Net",
+        "--min-params",
+        "900",
+        "--keep",
+        "*norm.weight",
+        "--keep",
+        "*gate.weight=fp16",
+        "--world-size",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "blocks.0.gate.weight" in out.stdout and "-> float16" in out.stdout
+    assert "memory per rank at world size 2" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("hf:no_such_arch", "transformers knows no model_type 'no_such_arch'"),
+        ("nonsense", "is not hf:<model_type>, a directory with config.json, or module:callable"),
+        ("_models:Nope", "cannot import Nope from _models"),
+    ],
+)
+def test_plan_bad_model_is_one_line(model: str, message: str) -> None:
+    out = run(*CLI, "plan", model)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("fsdp-precision: error: ") and message in lines[-1]

@@ -29,6 +29,41 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dim", type=int, default=64, help="model width (default: 64)")
     demo.add_argument("--depth", type=int, default=2, help="transformer blocks (default: 2)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    plan = sub.add_parser(
+        "plan",
+        help="show what FSDP will do to a model's precision and memory, before running it",
+        description="Builds MODEL on the meta device (no weights, no download) and prints the "
+        "precision plan: per FSDP unit, parameters by storage and compute dtype, bytes per "
+        "all-gather, collectives per step, memory per rank, compared with a uniform policy and "
+        "with separate fp32 child units.",
+    )
+    plan.add_argument(
+        "model",
+        metavar="MODEL",
+        help="hf:<model_type> (e.g. hf:deepseek_v3), a local Hugging Face directory with "
+        "config.json, or module:callable returning an nn.Module",
+    )
+    plan.add_argument("--world-size", type=int, default=8, help="ranks to shard over (default: 8)")
+    plan.add_argument(
+        "--precision",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="mixed-precision preset (default: bf16)",
+    )
+    plan.add_argument(
+        "--min-params",
+        type=int,
+        default=10_000_000,
+        help="auto-wrap threshold in parameters (default: 10000000)",
+    )
+    plan.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="GLOB[=DTYPE]",
+        help="keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -45,6 +80,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 nproc=args.nproc, steps=args.steps, dim=args.dim, depth=args.depth, seed=args.seed
             )
             return run(opts)
+        if args.command == "plan":
+            from ._plan_cmd import PlanOptions, run_plan
+
+            return run_plan(
+                PlanOptions(
+                    model=args.model,
+                    world_size=args.world_size,
+                    precision=args.precision,
+                    min_params=args.min_params,
+                    rules=tuple(args.keep),
+                    as_json=args.json,
+                )
+            )
     except (ValueError, FsdpPrecisionError) as exc:
         print(f"fsdp-precision: error: {exc}", file=sys.stderr)
         return 2
