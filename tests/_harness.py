@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,6 +104,25 @@ def check(result: str) -> None:
     if result.startswith(SKIP):
         pytest.skip(result.removeprefix(SKIP))
     assert result == OK, result
+
+
+def distributed_suite(world_size: int, module: str, cases: Sequence[str]) -> tuple[Any, Any]:
+    """A module's distributed tests: ``results, test_x = distributed_suite(2, __name__, CASES)``.
+
+    Returns a module-scoped fixture that spawns the group once and a parametrized test that
+    checks one case each.
+    """
+
+    @pytest.fixture(scope="module")
+    def results() -> dict[str, str]:
+        return run_cases(world_size, module, cases)
+
+    @pytest.mark.distributed
+    @pytest.mark.parametrize("case", cases)
+    def test_case(results: dict[str, str], case: str) -> None:
+        check(results[case])
+
+    return results, test_case
 
 
 def collect_cases(module_globals: dict[str, object]) -> list[str]:

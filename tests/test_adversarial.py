@@ -6,7 +6,6 @@ expected all-gathered parameters and reduced gradients are known exactly.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import CollectiveRecorder
 
-from _harness import OK, collect_cases, run_cases
+from _harness import collect_cases, distributed_suite
 from _models import bf16, fp32
 
 DIMS = (7, 97, 101, 103)
@@ -119,13 +118,4 @@ def case_hsdp_2x2_dtype_matrix_prime_dims() -> None:
 
 CASES = collect_cases(globals())
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(4, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_four_ranks(results: dict[str, str], case: str) -> None:
-    assert results[case] == OK, results[case]
+results, test_four_ranks = distributed_suite(4, __name__, CASES)

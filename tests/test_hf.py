@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 
 from _hf_parity import run_arch  # noqa: E402
 
-from _harness import check, run_cases  # noqa: E402
+from _harness import distributed_suite  # noqa: E402
 
 ARCH_NAMES = ["t5", "deepseek_v3", "gpt_oss", "rwkv", "afmoe", "wan"]
 SETUPS = {"fp32_master": False, "stored_low": True}
@@ -51,13 +51,4 @@ for _arch in ARCH_NAMES:
         globals()[_name] = _make_case(_arch, _setup)
         CASES.append(_name)
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(2, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_two_ranks(results: dict[str, str], case: str) -> None:
-    check(results[case])
+results, test_two_ranks = distributed_suite(2, __name__, CASES)

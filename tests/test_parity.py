@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from fsdp_precision import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import CollectiveRecorder, GatherProbe
 
-from _harness import OK, collect_cases, run_cases, unpatched
+from _harness import collect_cases, distributed_suite, unpatched
 from _models import (
     KEEP_IN_BLOCK,
     assert_same_grads,
@@ -344,13 +344,4 @@ def case_negative_control_unpatched() -> None:
 
 CASES = collect_cases(globals())
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(2, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_two_ranks(results: dict[str, str], case: str) -> None:
-    assert results[case] == OK, results[case]
+results, test_two_ranks = distributed_suite(2, __name__, CASES)

@@ -23,7 +23,7 @@ from fsdp_precision import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import CollectiveRecorder
 from fsdp_precision._patch import torch_release
 
-from _harness import OK, collect_cases, run_cases, unpatched
+from _harness import collect_cases, distributed_suite, unpatched
 from _models import bf16, fp32, local
 
 
@@ -283,13 +283,4 @@ def case_reduce_dtype_after_frozen_first_forward() -> None:
 
 CASES = collect_cases(globals())
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(2, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_ported(results: dict[str, str], case: str) -> None:
-    assert results[case] == OK, results[case]
+results, test_ported = distributed_suite(2, __name__, CASES)

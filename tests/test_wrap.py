@@ -21,7 +21,7 @@ from fsdp_precision import (
     wrap_model_for_training,
 )
 
-from _harness import check, collect_cases, run_cases
+from _harness import collect_cases, distributed_suite
 from _models import Net, bf16, clones, fp16, fp32, inputs, local, loss_of, net, train_in_lockstep
 
 KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
@@ -299,13 +299,4 @@ def case_fp16_scaler_skips_on_every_rank_after_one_overflows() -> None:
 
 CASES = collect_cases(globals())
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(2, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_two_ranks(results: dict[str, str], case: str) -> None:
-    check(results[case])
+results, test_two_ranks = distributed_suite(2, __name__, CASES)

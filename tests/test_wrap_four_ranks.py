@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
 
-from _harness import check, collect_cases, run_cases
+from _harness import collect_cases, distributed_suite
 from _models import clones, inputs, local, loss_of, net, train_in_lockstep
 
 KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
@@ -60,13 +60,4 @@ def case_hsdp_replicas_must_divide_world() -> None:
 
 CASES = collect_cases(globals())
 
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_cases(4, __name__, CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
-def test_four_ranks(results: dict[str, str], case: str) -> None:
-    check(results[case])
+results, test_four_ranks = distributed_suite(4, __name__, CASES)
