@@ -30,8 +30,8 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from ._errors import CheckpointError, StateDictMismatchError
@@ -427,7 +429,7 @@ def save_checkpoint(
 
     if kind == "sharded":
         state = _sharded_state(model, optimizer)
-        dcp.save(state, checkpoint_id=tmp)
+        dcp_save(state, checkpoint_id=tmp)
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if optimizer is None:
@@ -437,7 +439,7 @@ def save_checkpoint(
             state = {_MODEL: msd, _OPTIM: osd}
         if rank == 0:
             with _single_process():
-                dcp.save(state, checkpoint_id=tmp, no_dist=True)
+                dcp_save(state, checkpoint_id=tmp, no_dist=True)
     del state
 
     if rank == 0:
@@ -496,7 +498,7 @@ def _write_metadata(
 
 def _checkpoint_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
     """Shapes of the tensors saved under the top-level key ``prefix``, by their inner key."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = FileSystemReader(path).read_metadata()
     mapping = metadata.planner_data or {}
     shapes: dict[str, tuple[int, ...]] = {}
     for flat_key, meta in metadata.state_dict_metadata.items():
@@ -554,7 +556,7 @@ def load_checkpoint(
     _raise_collectively(error, local_only=False)
 
     state = _sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    dcp_load(state, checkpoint_id=path)
     if optimizer is None:
         set_model_state_dict(model, state[_MODEL])
     else:
@@ -609,7 +611,7 @@ def export_safetensors(
     path = _resolve(Path(source).absolute())
     _read_metadata(path)
     shapes = _checkpoint_shapes(path, _MODEL)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = FileSystemReader(path).read_metadata()
     mapping = metadata.planner_data or {}
     template: dict[str, Any] = {}
     for flat_key, meta in metadata.state_dict_metadata.items():
@@ -618,7 +620,7 @@ def export_safetensors(
             key = str(route[1])
             template[key] = torch.empty(shapes[key], dtype=meta.properties.dtype)
     with _single_process():
-        dcp.load({_MODEL: template}, checkpoint_id=path, no_dist=True)
+        dcp_load({_MODEL: template}, checkpoint_id=path, no_dist=True)
     out.mkdir(parents=True, exist_ok=True)
     _save_tensors(save_file, template, weights)
     if (path / "config.json").is_file():
