@@ -280,8 +280,8 @@ def case_overwrite_keeps_one_checkpoint() -> None:
         save_checkpoint(root() / "overwrite", model, opt, step=step)
     record("overwrite", model, opt)
     assert read_checkpoint_metadata(root() / "overwrite")["step"] == 2
-    siblings = [p.name for p in root().iterdir() if p.name.startswith("overwrite")]
-    assert siblings == ["overwrite"], siblings
+    siblings = [p.name for p in root().iterdir() if p.name.startswith("overwrite.")]
+    assert siblings == ["overwrite.expected.pt"], siblings  # no .tmp-/.old- directory left
     fresh, fresh_opt = make(3)
     load_checkpoint(root() / "overwrite", fresh, fresh_opt)
     expect_saved("overwrite", fresh, fresh_opt)

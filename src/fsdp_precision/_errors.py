@@ -53,14 +53,18 @@ class StateDictMismatchError(CheckpointError):
         self,
         message: str,
         *,
-        missing: list[str],
-        unexpected: list[str],
-        shape_mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        shape_mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         super().__init__(message)
         #: Keys the model has and the state dict lacks.
-        self.missing = missing
+        self.missing = missing or []
         #: Keys the state dict has and the model lacks.
-        self.unexpected = unexpected
+        self.unexpected = unexpected or []
         #: ``(key, incoming shape, model shape)`` for every key whose shapes differ.
-        self.shape_mismatches = shape_mismatches
+        self.shape_mismatches = shape_mismatches or []
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable with its lists: ranks exchange errors so that every rank raises the same one.
+        return (type(self), (str(self),), self.__dict__)
