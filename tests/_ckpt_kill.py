@@ -1,6 +1,7 @@
 """Test-only: save a checkpoint, then SIGKILL this process in the middle of the next save.
 
     python tests/_ckpt_kill.py DIR POINT      (POINT: mid_write | before_metadata | between_renames)
+    python tests/_ckpt_kill.py DIR verify STEP   (load DIR/ckpt, expect STEP, bitwise; save again)
 
 Writes ``DIR/ckpt`` at step 1 and ``DIR/step{1,2}.expected.pt`` (the consolidated state at each
 step), then starts saving step 2 to ``DIR/ckpt`` and kills itself at POINT through a hook
@@ -61,12 +62,28 @@ def install(point: str) -> None:
         raise SystemExit(f"unknown kill point {point!r}")
 
 
+def verify(directory: Path, survivor: int) -> None:
+    """Load what the killed save left, compare bitwise, then save again (which cleans up)."""
+    from test_checkpoint import assert_bitwise
+
+    model, opt = make(7)
+    meta = _checkpoint.load_checkpoint(directory / "ckpt", model, opt)
+    assert meta["step"] == survivor, meta
+    expected = torch.load(directory / f"step{survivor}.expected.pt")
+    assert_bitwise(expected, full_state(model, opt))
+    _checkpoint.save_checkpoint(directory / "ckpt", model, opt, step=survivor + 10)
+    print("verified")
+
+
 def main() -> None:
     directory, point = Path(sys.argv[1]), sys.argv[2]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     fp.apply_param_dtype_map_patch()
+    if point == "verify":
+        verify(directory, int(sys.argv[3]))
+        return
     model, opt = make(0)
     train(model, opt, range(1))
     _checkpoint.save_checkpoint(directory / "ckpt", model, opt, step=1)
