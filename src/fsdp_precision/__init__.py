@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import logging
 
+from ._checkpoint import (
+    export_safetensors,
+    load_checkpoint,
+    load_model_state_dict,
+    model_state_dict,
+    read_checkpoint_metadata,
+    save_checkpoint,
+)
 from ._config import PRESETS, DistributedConfig
 from ._dtypes import MAPPABLE_DTYPES
 from ._errors import (
+    CheckpointError,
     FsdpPrecisionError,
     ParamDtypeMapError,
     PatchIntegrityError,
+    StateDictMismatchError,
     UnsupportedTorchError,
 )
 from ._patch import (
@@ -46,6 +56,7 @@ __all__ = [
     "MAPPABLE_DTYPES",
     "PRESETS",
     "SUPPORTED_RELEASES",
+    "CheckpointError",
     "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
@@ -57,15 +68,22 @@ __all__ = [
     "PlannedUnit",
     "PrecisionPlan",
     "PrecisionRules",
+    "StateDictMismatchError",
     "UnsupportedTorchError",
     "apply_param_dtype_map_patch",
     "auto_wrap_units",
     "compile_param_dtype_maps",
     "default_units",
+    "export_safetensors",
     "is_param_dtype_map_patch_applied",
+    "load_checkpoint",
+    "load_model_state_dict",
     "make_grad_scaler",
+    "model_state_dict",
     "plan_model_for_training",
+    "read_checkpoint_metadata",
     "remove_param_dtype_map_patch",
+    "save_checkpoint",
     "wrap_model_for_training",
 ]
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "FsdpPrecisionError",
     "ParamDtypeMapError",
     "PatchIntegrityError",
+    "StateDictMismatchError",
     "UnsupportedTorchError",
 ]
 
@@ -30,3 +32,39 @@ class PatchIntegrityError(FsdpPrecisionError, RuntimeError):
 
     The patch refuses to install rather than run against code it was not written for.
     """
+
+
+class CheckpointError(FsdpPrecisionError, ValueError):
+    """A checkpoint call got bad input: an unknown ``state_dict_type``, a missing or foreign
+    directory, a checkpoint of the other type, or a state dict of the other type.
+
+    Raised before the model, the optimizer or any file is modified.
+    """
+
+
+class StateDictMismatchError(CheckpointError):
+    """A state dict (or checkpoint) does not match the model: missing keys, unexpected keys or
+    shape mismatches, all listed in the message and kept as attributes.
+
+    Raised before anything is loaded: the model is left exactly as it was.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        shape_mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        #: Keys the model has and the state dict lacks.
+        self.missing = missing or []
+        #: Keys the state dict has and the model lacks.
+        self.unexpected = unexpected or []
+        #: ``(key, incoming shape, model shape)`` for every key whose shapes differ.
+        self.shape_mismatches = shape_mismatches or []
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable with its lists: ranks exchange errors so that every rank raises the same one.
+        return (type(self), (str(self),), self.__dict__)
