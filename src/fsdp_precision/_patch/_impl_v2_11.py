@@ -26,7 +26,9 @@ import torch.nn as nn
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _coll
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as _group
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
-from torch.distributed.fsdp._fully_shard._fsdp_common import compiled_autograd_enabled
+from torch.distributed.fsdp._fully_shard._fsdp_common import (  # type: ignore[attr-defined]  # 2.11 only
+    compiled_autograd_enabled,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 from fsdp_precision._dtypes import dtype_name
@@ -134,7 +136,8 @@ def foreach_reduce(
     if _v13.is_uniform(fsdp_params, unsharded_grads, orig_dtype):
         return _replaced.original(_group, "foreach_reduce")(*args)  # type: ignore[no-any-return]
     result = _v13._foreach_reduce_mixed(
-        *args, run_grad_hooks=not compiled_autograd_enabled()  # [2.11]
+        *args,
+        run_grad_hooks=not compiled_autograd_enabled(),  # [2.11]
     )
     return _v12.drop_post_reduce_stream(result)
 

@@ -261,7 +261,9 @@ def foreach_reduce(
 
 
 def is_uniform(
-    fsdp_params: list[FSDPParam], unsharded_grads: list[torch.Tensor], orig_dtype: torch.dtype | None
+    fsdp_params: list[FSDPParam],
+    unsharded_grads: list[torch.Tensor],
+    orig_dtype: torch.dtype | None,
 ) -> bool:
     """Whether upstream ``foreach_reduce`` can take this unit's gradients as they are."""
     return not getattr(fsdp_params[0], MAPPED_UNIT_ATTR, False) or (
