@@ -61,6 +61,7 @@ def _init_param_group(
     try:
         assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # has_map
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
+        _check_manageable(params, resolved.fqns)
     except ParamDtypeMapError:
         undo_state_init(state, modules)
         raise
@@ -77,6 +78,19 @@ def _init_param_group(
             if pid in resolved.by_param
         }
         logger.debug("fully_shard(%s): mapped %s", type(modules[0]).__name__, mapped)
+
+
+def _check_manageable(params: list[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
+    """[2.11] FSDP2 makes every sharded parameter trainable (fixed in 2.12: it keeps
+    ``requires_grad``), which fails for integral and boolean parameters: say so up front."""
+    bad = [p for p in params if not (p.dtype.is_floating_point or p.dtype.is_complex)]
+    if bad:
+        names = ", ".join(f"{fqns[id(p)][0]!r} ({dtype_name(p.dtype)})" for p in bad[:4])
+        raise ParamDtypeMapError(
+            f"FSDP2 in torch {torch.__version__} cannot manage non-floating parameters ({names}): "
+            "it creates every sharded parameter with requires_grad=True. Pass them in "
+            "ignored_params, or use torch 2.12 or later, which keeps them frozen"
+        )
 
 
 def _init_mp_dtypes(self: Any) -> None:
