@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,9 @@ def has_local_wheel(version: str) -> bool:
     return False
 
 
-def _run(cmd: list[str], log, env: dict[str, str] | None = None, cwd: Path | None = None) -> int:
+def _run(
+    cmd: list[str], log: TextIO, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> int:
     prefix = "PIP_CONFIG_FILE=/dev/null " if env and env.get("PIP_CONFIG_FILE") else ""
     log.write(f"$ {prefix}{shlex.join(cmd)}\n")
     log.flush()
@@ -123,7 +126,7 @@ def _installed_torch(python: Path) -> str | None:
     return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout else None
 
 
-def prepare_venv(version: str, venv: Path, log) -> Path:
+def prepare_venv(version: str, venv: Path, log: TextIO) -> Path:
     """Create ``venv`` (if needed) with ``torch==version``, the test tools and the project."""
     python = venv / "bin" / "python"
     if not python.exists():
