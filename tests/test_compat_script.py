@@ -23,7 +23,9 @@ def test_parse_version_accepts_only_full_releases() -> None:
     assert compat.parse_version("2.12.1") == (2, 12, 1)
     assert compat.parse_version("2.15.0") > compat.CONSTRAINED_MAX
     for bad in ("2.12", "2.12.1+cu130", "latest"):
-        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{bad!r} is not of the form")):
+        with pytest.raises(
+            argparse.ArgumentTypeError, match=re.escape(f"{bad!r} is not of the form")
+        ):
             compat.parse_version(bad)
 
 
