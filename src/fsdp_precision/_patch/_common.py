@@ -2,7 +2,8 @@
 
 All of it relies only on ``_init_param_group(state, params, modules, mesh_info,
 post_forward_mesh_info, device, shard_placement_fn, mp_policy, offload_policy, ...)`` (the same
-signature on every supported release; each release module hashes it) and on the composable-state
+leading parameters on every supported release; 2.12 appended ``reshard_after_forward``; each
+release module hashes it) and on the composable-state
 registration that ``fully_shard`` does before it (``FSDPState.init``, also hashed).
 """
 
@@ -20,7 +21,7 @@ from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 
 #: Index of ``mp_policy`` in ``_init_param_group``'s positional arguments after
 #: ``(state, params, modules)``: (mesh_info, post_forward_mesh_info, device, shard_placement_fn,
-#: mp_policy, offload_policy, reshard_after_forward).
+#: mp_policy, offload_policy[, reshard_after_forward (2.12+)]).
 _MP_POLICY_INDEX = 4
 
 
