@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
-from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fully_shard
 
 import fsdp_precision as fp
 from fsdp_precision import PatchIntegrityError, UnsupportedTorchError
-from fsdp_precision._patch import _release_module, torch_release, v2_13, v2_14
+from fsdp_precision._patch import (
+    SUPPORTED_RELEASES,
+    _release_module,
+    torch_release,
+    v2_11,
+    v2_12,
+    v2_13,
+    v2_14,
+    v2_15,
+)
 from fsdp_precision._patch._sources import resolve, source_sha256, verify_sources
-from fsdp_precision._patch._targets import RELIED_ON, REPLACED
+from fsdp_precision._patch._targets import REPLACED, TARGETS, targets
+
+RELEASE_MODULES = [v2_11, v2_12, v2_13, v2_14, v2_15]
+SUPPORTED = r"2\.11, 2\.12, 2\.13, 2\.14, 2\.15"  # what the error must name, in order
 
 
 @pytest.fixture
-def restore_patch_state() -> Iterator[None]:
+def restore_patch_state() -> Iterator[pytest.MonkeyPatch]:
+    """A monkeypatch undone *before* the patch state is restored (so a patched
+    ``torch.__version__`` or tampered function is gone by then)."""
     was = fp.is_param_dtype_map_patch_applied()
-    yield
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield monkeypatch
     if was:
         fp.apply_param_dtype_map_patch()
     else:
@@ -40,29 +56,49 @@ def test_release_ignores_build_suffix(version: str, release: str) -> None:
     assert torch_release(version) == release
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.11.0+cu126", "2.12.1", "2.15.0", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.9.1", "2.10.0+cu126", "2.16.0", "2.16.0a0+git1", "3.0.0"])
 def test_unsupported_release_is_refused_and_nothing_patched(
-    version: str, monkeypatch: pytest.MonkeyPatch, restore_patch_state: None
+    version: str, restore_patch_state: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch = restore_patch_state
     fp.remove_param_dtype_map_patch()
     monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(UnsupportedTorchError, match=r"supported releases: 2\.13, 2\.14"):
+    with pytest.raises(
+        UnsupportedTorchError,
+        match=rf"torch {re.escape(version)} .*supported releases: {SUPPORTED}\.",
+    ):
         fp.apply_param_dtype_map_patch()
     assert not fp.is_param_dtype_map_patch_applied()
 
 
-def test_supported_release_module_matches_installed_sources() -> None:
+def test_supported_release_module_matches_installed_sources(
+    restore_patch_state: pytest.MonkeyPatch,
+) -> None:
+    fp.remove_param_dtype_map_patch()  # hash torch's functions, not the installed replacements
     module = _release_module()
-    assert set(module.SOURCES) == set(REPLACED + RELIED_ON)
+    assert list(module.SOURCES) == list(targets(module.IMPLEMENTATION))
     for target, sha in module.SOURCES.items():
         assert source_sha256(resolve(target)) == sha, target
 
 
-@pytest.mark.parametrize("module", [v2_13, v2_14], ids=["2.13", "2.14"])
+def test_every_supported_release_has_a_module() -> None:
+    assert SUPPORTED_RELEASES == {
+        m.TORCH_RELEASE: m.__name__.rsplit(".", 1)[1] for m in RELEASE_MODULES
+    }
+
+
+@pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
 def test_every_release_module_hashes_every_target(module: object) -> None:
     sources = module.SOURCES  # type: ignore[attr-defined]
-    assert set(sources) == set(REPLACED + RELIED_ON)
-    assert all(len(sha) == 64 for sha in sources.values())
+    implementation = module.IMPLEMENTATION  # type: ignore[attr-defined]
+    assert implementation in TARGETS
+    assert list(sources) == list(targets(implementation))
+    assert all(re.fullmatch(r"[0-9a-f]{64}", sha) for sha in sources.values())
+
+
+def test_unknown_implementation_has_no_targets() -> None:
+    with pytest.raises(ValueError, match=r"no target list for implementation '_impl_v9_9'"):
+        targets("_impl_v9_9")
 
 
 def test_import_touches_no_release_module() -> None:
@@ -88,8 +124,9 @@ def _changed_init_dtype_attrs(self, mp_policy):  # a "new upstream release" of t
     ],
 )
 def test_tampered_source_is_refused(
-    owner: type, name: str, target: str, monkeypatch: pytest.MonkeyPatch, restore_patch_state: None
+    owner: type, name: str, target: str, restore_patch_state: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch = restore_patch_state
     fp.remove_param_dtype_map_patch()
     original_init_mp = _fsdp_param_group.FSDPParamGroup.__dict__["_init_mp_dtypes"]
     monkeypatch.setattr(owner, name, _changed_init_dtype_attrs)
@@ -110,15 +147,26 @@ def test_wrong_recorded_hash_names_function_and_version() -> None:
         verify_sources({REPLACED[0] + "_no_such_function": "0" * 64}, torch_version="9.9")
 
 
-def test_apply_is_idempotent_and_remove_restores_originals(restore_patch_state: None) -> None:
+def test_apply_is_idempotent_and_remove_restores_originals(
+    restore_patch_state: pytest.MonkeyPatch,
+) -> None:
     fp.remove_param_dtype_map_patch()
     group_cls = _fsdp_param_group.FSDPParamGroup
-    before = (group_cls.__dict__["_init_mp_dtypes"], _fsdp_param_group.foreach_reduce)
+    watched = (
+        (_fully_shard, "_init_param_group"),  # wrapped on every release
+        (group_cls, "_init_mp_dtypes"),  # replaced on 2.11-2.14; torch's own on 2.15
+        (_fsdp_param_group, "foreach_reduce"),  # likewise
+    )
+    before = [owner.__dict__[name] for owner, name in watched]
     fp.apply_param_dtype_map_patch()
     fp.apply_param_dtype_map_patch()
     assert fp.is_param_dtype_map_patch_applied()
-    assert group_cls.__dict__["_init_mp_dtypes"] is not before[0]
+    after = [owner.__dict__[name] for owner, name in watched]
+    assert after[0] is not before[0]
+    # 2.15 replaces nothing of FSDP's precision machinery (its native override is used).
+    native = torch_release() == "2.15"
+    assert [a is b for a, b in zip(after[1:], before[1:])] == [native, native]
     fp.remove_param_dtype_map_patch()
     fp.remove_param_dtype_map_patch()
     assert not fp.is_param_dtype_map_patch_applied()
-    assert (group_cls.__dict__["_init_mp_dtypes"], _fsdp_param_group.foreach_reduce) == before
+    assert [owner.__dict__[name] for owner, name in watched] == before

@@ -19,12 +19,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_precision import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._observe import CollectiveRecorder
 from fsdp_precision._patch import torch_release
 
 from _harness import collect_cases, distributed_suite, unpatched
 from _models import bf16, fp32, local
+
+# The references' own collectives: torch 2.13 added the *_single names (FSDP moved to them);
+# 2.11 and 2.12 have only the older ones, which 2.13+ keep.
+reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class MLP(nn.Module):  # torch.testing._internal.common_fsdp.MLP
@@ -82,6 +87,11 @@ def check_sharded_parity(ref_model: nn.Module, model: nn.Module) -> None:
 
 
 def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
+    if torch_release() == "2.15":
+        # torch 2.15 changed reduce_dtype=None: gradients follow the parameters' grad_dtype
+        # (fp32 here) instead of param_dtype, so this test's upstream expectation (a bf16
+        # reduce-scatter) no longer holds; the fp32-reduce reference is the 2.15 behaviour.
+        return _reduce_dtype_fp32(kind, reshard_after_forward, policy_reduce_dtype=None)
     param_dtype = bf16
     ref_model, ref_optim, model, optim = init_models(kind, reshard_after_forward, param_dtype, None)
     ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
@@ -101,8 +111,8 @@ def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
         for param in ref_model_bf16.parameters():
             param.grad.div_(world)  # gloo: bf16 AVG emulated as pre-divide + SUM
             output = torch.zeros_like(torch.chunk(param.grad, world)[0])
-            dist.reduce_scatter_single(output, param.grad)
-            dist.all_gather_single(param.grad, output)
+            reduce_scatter(output, param.grad)
+            all_gather(param.grad, output)
         for p32, p16 in zip(ref_model.parameters(), ref_model_bf16.parameters()):
             p32.grad = p16.grad.to(p32.dtype)
             p16.grad = None
@@ -113,10 +123,12 @@ def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
         check_sharded_parity(ref_model, model)
 
 
-def _reduce_dtype_fp32(kind: str, reshard_after_forward: bool) -> None:
+def _reduce_dtype_fp32(
+    kind: str, reshard_after_forward: bool, policy_reduce_dtype: torch.dtype | None = fp32
+) -> None:
     param_dtype, reduce_dtype = bf16, fp32
     ref_model, ref_optim, model, optim = init_models(
-        kind, reshard_after_forward, param_dtype, reduce_dtype
+        kind, reshard_after_forward, param_dtype, policy_reduce_dtype
     )
     ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
     torch.manual_seed(42 + dist.get_rank() + 1)
@@ -166,9 +178,9 @@ def _reduce_dtype_bf16(kind: str, reshard_after_forward: bool) -> None:
         for param in ref_model.parameters():
             grad = param.grad.to(reduce_dtype)
             output = torch.zeros_like(torch.chunk(grad, world)[0])
-            dist.reduce_scatter_single(output, grad, op=dist.ReduceOp.AVG)
+            reduce_scatter(output, grad, op=dist.ReduceOp.AVG)
             gathered = torch.empty_like(grad)
-            dist.all_gather_single(gathered, output)
+            all_gather(gathered, output)
             param.grad = gathered.to(param.dtype)
         ref_optim.step()
         torch.testing.assert_close(fsdp_loss, ref_loss)
@@ -227,16 +239,27 @@ def _reduce_dtype_after_frozen_first_forward(kind: str) -> None:
             reduce_dtype=fp32,
             param_dtype_map={f"layers.{k}": v for k, v in policy.param_dtype_map.items()},
         )
+    if torch_release() == "2.11":
+        # torch 2.11's FSDP2 makes every sharded parameter trainable, so it cannot manage the
+        # frozen int64 parameter at all (2.12 keeps requires_grad); the mapped path says so first.
+        expected = (
+            (RuntimeError, "floating point dtype can require gradients")
+            if kind == "upstream"
+            else (ParamDtypeMapError, r"cannot manage non-floating parameters \('non_float'")
+        )
+        with pytest.raises(expected[0], match=expected[1]):
+            fully_shard(model, mp_policy=policy)
+        return
     fully_shard(model, mp_policy=policy)
     model.requires_grad_(False)
     with torch.no_grad():
         model(torch.randn((4, 16)))
     model.layers.requires_grad_(True)
-    if kind == "upstream" and torch_release() == "2.13":
-        # Upstream bug on 2.13, fixed in 2.14 (the test comes from that fix): the unit was
-        # frozen at lazy init, so FSDP recorded no dtypes; the bf16 gradients are reduced in
+    if kind == "upstream" and torch_release() in ("2.12", "2.13"):
+        # Upstream bug on 2.12 and 2.13, fixed in 2.14 (the test comes from that fix): the unit
+        # was frozen at lazy init, so FSDP recorded no dtypes; the bf16 gradients are reduced in
         # bf16 and assigning them to the fp32 parameters fails. With an empty map the patch
-        # keeps torch's path exactly, bug included; mapped units follow 2.14 on both releases.
+        # keeps torch's path exactly, bug included; mapped units follow 2.14 on these releases.
         with pytest.raises(RuntimeError, match="grad_dtype"):
             model(torch.randn((4, 16))).sum().backward()
         return

@@ -68,7 +68,12 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             ``named_parameters(remove_duplicate=False)`` spells them, restricted to the parameters
             that call manages. Values are floating dtypes (float8 variants, float16, bfloat16,
             float32, float64). No wildcards: compile patterns with the rules layer. An empty map
-            takes exactly the upstream path. (Default: ``{}``)
+            takes exactly the upstream path. On torch 2.15 the map runs through torch's native
+            ``param_dtype_override_fn`` and may name only ``param_dtype`` or a parameter's
+            storage dtype (docs/compatibility.md). (Default: ``{}``)
+
+    On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
+    combined with a non-empty ``param_dtype_map``.
     """
 
     param_dtype_map: Mapping[str, torch.dtype] = field(default_factory=dict)
@@ -96,4 +101,13 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
                     "Compile patterns to exact names with fsdp_precision's rules instead"
                 )
             checked[key] = check_mappable_dtype(dtype, where=f"param_dtype_map[{key!r}]")
+        # torch 2.15 added param_dtype_override_fn; the map is translated into one, so both
+        # together would be ambiguous.
+        if checked and getattr(self, "param_dtype_override_fn", None) is not None:
+            raise ValueError(
+                "ParamDtypeMixedPrecisionPolicy takes param_dtype_map or param_dtype_override_fn, "
+                f"not both (map keys: {sorted(checked)[:3]}); on torch 2.15 the map is translated "
+                "into an override fn: drop param_dtype_override_fn, or use torch's "
+                "MixedPrecisionPolicy with the override fn alone"
+            )
         object.__setattr__(self, "param_dtype_map", _DtypeMap(checked))

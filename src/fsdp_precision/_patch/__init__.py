@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 
 #: torch release (major.minor) -> private module holding its source hashes and installer.
 SUPPORTED_RELEASES: dict[str, str] = {
-    "2.13": "v2_13",  # 2.13: the uint8 all-gather and per-param FSDPParam dtypes used here
-    "2.14": "v2_14",  # 2.14: _init_mp_dtypes returns None for non-uniform dtypes; same plan
+    # 2.11: one FSDPParamGroup per call, no non-floating clamp, compiled-autograd branches
+    "2.11": "v2_11",
+    # 2.12: per-parameter meshes (a list of groups); foreach_reduce still returns six values
+    "2.12": "v2_12",
+    "2.13": "v2_13",  # 2.13: foreach_reduce returns post_reduce_stream (seven values)
+    "2.14": "v2_14",  # 2.14: _init_mp_dtypes takes floating params of frozen units; same plan
+    # 2.15: native MixedPrecisionPolicy.param_dtype_override_fn; only construction is wrapped
+    "2.15": "v2_15",
 }
 
 _lock = threading.Lock()
@@ -48,14 +54,18 @@ def torch_release(version: str | None = None) -> str:
     return f"{match.group(1)}.{match.group(2)}"
 
 
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split("."))
+
+
 def _release_module(version: str | None = None) -> ModuleType:
     release = torch_release(version)
     name = SUPPORTED_RELEASES.get(release)
     if name is None:
-        supported = ", ".join(sorted(SUPPORTED_RELEASES))
+        supported = ", ".join(sorted(SUPPORTED_RELEASES, key=_release_key))
         raise UnsupportedTorchError(
             f"fsdp_precision has no patch for torch {torch.__version__} (release {release}); "
-            f"supported releases: {supported}. Install one of them (pip install 'torch==2.13.*'), "
+            f"supported releases: {supported}. Install one of them (pip install 'torch==2.14.*'), "
             "or give each fp32 module its own fully_shard unit with param_dtype=None"
         )
     return importlib.import_module(f"{__name__}.{name}")

@@ -1,5 +1,7 @@
 """Per-parameter dtypes inside one FSDP2 unit: the implementation for torch 2.13 and 2.14.
 
+``_impl_v2_12`` and ``_impl_v2_11`` reuse it, replacing only what those releases do differently.
+
 Everything here touches FSDP2 internals. It is imported only by a release module after that
 module verified the source hash of every upstream function below (replaced or relied on).
 
@@ -26,8 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import _get_device_handle
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _coll
@@ -45,6 +45,8 @@ from fsdp_precision._errors import ParamDtypeMapError
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._resolve import resolve_param_dtype_map
 
+from ._common import Replacements, bind_mp_policy, has_map, undo_state_init
+
 logger = logging.getLogger(__name__)
 
 #: FSDPParam attribute holding the mapped compute dtype (absent or None: unmapped).
@@ -53,16 +55,9 @@ MAPPED_DTYPE_ATTR = "_fsdp_precision_dtype"
 #: paths of other units cost one attribute lookup before delegating to torch.
 MAPPED_UNIT_ATTR = "_fsdp_precision_unit"
 
-# (owner, attribute) -> replacement, installed by ``install`` and undone by ``uninstall``.
-_originals: dict[tuple[Any, str], Any] = {}
-
-
-def _original(owner: Any, name: str) -> Any:
-    return _originals[(owner, name)]
-
-
-def _has_map(policy: MixedPrecisionPolicy) -> bool:
-    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and len(policy.param_dtype_map) > 0
+# The originals of what ``install`` swapped in, restored by ``uninstall``.
+_replaced = Replacements()
+_original = _replaced.original
 
 
 def _mapped_dtype(fsdp_param: FSDPParam) -> torch.dtype | None:
@@ -81,14 +76,14 @@ def _init_param_group(
 ) -> None:
     """Resolve the map before ``FSDPParamGroup`` shards anything, then tag each ``FSDPParam``."""
     original = _original(_fs, "_init_param_group")
-    mp_policy = _bind_mp_policy(args, kwargs)
-    if not _has_map(mp_policy):
+    mp_policy = bind_mp_policy(args, kwargs)
+    if not has_map(mp_policy):
         return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
     try:
-        assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # _has_map
+        assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # has_map
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
     except ParamDtypeMapError:
-        _undo_state_init(state, modules)
+        undo_state_init(state, modules)
         raise
     num_groups = len(state._fsdp_param_groups)
     original(state, params, modules, *args, **kwargs)
@@ -104,35 +99,6 @@ def _init_param_group(
             if pid in resolved.by_param
         }
         logger.debug("fully_shard(%s): mapped %s", type(modules[0]).__name__, mapped)
-
-
-def _bind_mp_policy(args: Sequence[Any], kwargs: dict[str, Any]) -> MixedPrecisionPolicy:
-    # Signature (2.13, 2.14): (state, params, modules, mesh_info, post_forward_mesh_info, device,
-    # shard_placement_fn, mp_policy, offload_policy, reshard_after_forward=True)
-    if "mp_policy" in kwargs:
-        return kwargs["mp_policy"]  # type: ignore[no-any-return]
-    return args[4]  # type: ignore[no-any-return]
-
-
-def _undo_state_init(state: Any, modules: tuple[nn.Module, ...]) -> None:
-    """Undo what ``fully_shard`` did before ``_init_param_group``, so the call can be retried.
-
-    Parameters are untouched at this point; only the FSDP state, its registration and the forward
-    hooks that ``FSDPState.init`` added are removed.
-    """
-    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
-        handle = getattr(state, name, None)
-        if handle is not None:
-            handle.remove()
-    for module in modules:
-        _module_state_mapping.pop(module, None)
-        all_state = module.__dict__.get(STATE_KEY)
-        if isinstance(all_state, dict):
-            for func in [f for f in all_state if getattr(f, "__name__", "") == "fully_shard"]:
-                del all_state[func]
-        registry = module.__dict__.get(REGISTRY_KEY)
-        if isinstance(registry, dict):
-            registry.pop("fully_shard", None)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -289,13 +255,21 @@ def foreach_reduce(
         all_reduce_hook,
         force_sum_reduction_for_comms,
     )
-    uniform = not getattr(fsdp_params[0], MAPPED_UNIT_ATTR, False) or (
+    if is_uniform(fsdp_params, unsharded_grads, orig_dtype):
+        return _original(_group, "foreach_reduce")(*args)  # type: ignore[no-any-return]
+    return _foreach_reduce_mixed(*args)
+
+
+def is_uniform(
+    fsdp_params: list[FSDPParam],
+    unsharded_grads: list[torch.Tensor],
+    orig_dtype: torch.dtype | None,
+) -> bool:
+    """Whether upstream ``foreach_reduce`` can take this unit's gradients as they are."""
+    return not getattr(fsdp_params[0], MAPPED_UNIT_ATTR, False) or (
         len({g.dtype for g in unsharded_grads}) == 1
         and all(p.orig_dtype == orig_dtype for p in fsdp_params)
     )
-    if uniform:
-        return _original(_group, "foreach_reduce")(*args)  # type: ignore[no-any-return]
-    return _foreach_reduce_mixed(*args)
 
 
 def _foreach_reduce_mixed(
@@ -314,9 +288,12 @@ def _foreach_reduce_mixed(
     partial_reduce_output: torch.Tensor | None,
     all_reduce_hook: Callable[[torch.Tensor], None] | None,
     force_sum_reduction_for_comms: bool,
+    *,
+    run_grad_hooks: bool = True,
 ) -> tuple[Any, ...]:
     # Mirrors upstream foreach_reduce (2.13/2.14) step for step; the differences are marked
-    # [mixed]. Everything not marked is upstream's logic.
+    # [mixed]. Everything not marked is upstream's logic. ``run_grad_hooks=False`` skips the
+    # post-accumulate-grad hooks (torch 2.11 skips them under compiled autograd).
     # [mixed] Gradients in several dtypes need the explicit reduce dtype of contract point 5 (a
     # parameter unfrozen after fully_shard can get here without one); uniform gradients over
     # mixed storage take upstream's rule.
@@ -453,7 +430,9 @@ def _foreach_reduce_mixed(
                     stride=fsdp_param.contiguous_sharded_stride,
                     storage_offset=base,
                 )
-                _assign_sharded_grad(fsdp_param, new_sharded_grad, post_reduce_stream)
+                _assign_sharded_grad(
+                    fsdp_param, new_sharded_grad, post_reduce_stream, run_grad_hooks
+                )
                 base += width
             flat_offset += run_numel
         post_reduce_event = post_reduce_stream.record_event()
@@ -469,7 +448,10 @@ def _foreach_reduce_mixed(
 
 
 def _assign_sharded_grad(
-    fsdp_param: FSDPParam, new_sharded_grad: torch.Tensor, post_reduce_stream: torch.Stream
+    fsdp_param: FSDPParam,
+    new_sharded_grad: torch.Tensor,
+    post_reduce_stream: torch.Stream,
+    run_grad_hooks: bool = True,
 ) -> None:
     # Upstream's per-parameter view-out (CPU offload, accumulation, post-accumulate hooks).
     to_accumulate_grad = fsdp_param.sharded_param.grad is not None
@@ -490,6 +472,8 @@ def _assign_sharded_grad(
         grad._local_tensor += new_sharded_grad
     else:
         fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(new_sharded_grad)
+    if not run_grad_hooks:
+        return
     hooks = getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", {}) or {}
     for hook in hooks.values():
         hook(fsdp_param.sharded_param)
@@ -509,23 +493,14 @@ def _replacements() -> list[tuple[Any, str, Any]]:
 
 def install() -> None:
     """Swap the four functions in; idempotent."""
-    if _originals:
-        return
-    for owner, name, _ in _replacements():
-        _originals[(owner, name)] = owner.__dict__[name]
-    for owner, name, replacement in _replacements():
-        setattr(owner, name, replacement)
+    _replaced.install(_replacements())
 
 
 def uninstall() -> None:
     """Restore the original functions; idempotent."""
-    for (owner, name), original in list(_originals.items()):
-        setattr(owner, name, original)
-    _originals.clear()
+    _replaced.uninstall()
 
 
 def is_installed() -> bool:
     """Whether ``install`` has run and ``uninstall`` has not."""
-    return bool(_originals) and all(
-        owner.__dict__[name] is replacement for owner, name, replacement in _replacements()
-    )
+    return _replaced.is_installed(_replacements())

@@ -11,7 +11,7 @@ TORCH_RELEASE = "2.13"
 #: The private module that implements the patch for this release.
 IMPLEMENTATION = "_impl_v2_13"
 
-#: SHA-256 of every upstream function the patch replaces or relies on (see ``_targets``).
+#: SHA-256 of every upstream function the patch replaces or relies on (``_targets.targets``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -14,7 +14,7 @@ TORCH_RELEASE = "2.14"
 #: The private module that implements the patch for this release.
 IMPLEMENTATION = "_impl_v2_13"
 
-#: SHA-256 of every upstream function the patch replaces or relies on (see ``_targets``).
+#: SHA-256 of every upstream function the patch replaces or relies on (``_targets.targets``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "83d6abbae6e51f91092ab16e3cdfc19aa6b9f65d836a6274201e32bbcc4cce87",
