@@ -586,9 +586,21 @@ def export_safetensors(
       one process; the model tensors are read from it, its ``config.json`` (if any) is copied.
 
     Tensors keep their dtypes. Each file is written to a temporary name and renamed into place.
-    Returns the path of ``model.safetensors``.
+    Returns the path of ``model.safetensors``. Needs the ``safetensors`` package
+    (``pip install 'fsdp-precision[hf]'``).
     """
-    from safetensors.torch import save_file
+    if not isinstance(source, (nn.Module, str, os.PathLike)):
+        raise CheckpointError(
+            f"export_safetensors source is a {type(source).__name__}; pass an nn.Module or the "
+            "directory of a checkpoint written by save_checkpoint()"
+        )
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise CheckpointError(
+            "export_safetensors needs the safetensors package, which is not installed; "
+            "pip install 'fsdp-precision[hf]' (or pip install safetensors)"
+        ) from exc
 
     out = Path(out_dir)
     weights = out / "model.safetensors"
@@ -603,11 +615,6 @@ def export_safetensors(
                 config.save_pretrained(out)
         _barrier()
         return weights
-    if not isinstance(source, (str, os.PathLike)):
-        raise CheckpointError(
-            f"export_safetensors source is a {type(source).__name__}; pass an nn.Module or the "
-            "directory of a checkpoint written by save_checkpoint()"
-        )
     path = _resolve(Path(source).absolute())
     _read_metadata(path)
     shapes = _checkpoint_shapes(path, _MODEL)

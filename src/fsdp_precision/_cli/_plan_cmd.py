@@ -45,9 +45,20 @@ def _parse_rule(text: str) -> Glob:
     return Glob(pattern, _DTYPES[dtype])
 
 
+def _require_transformers(spec: str) -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"MODEL {spec!r} needs Hugging Face transformers, which is not installed; "
+            "pip install 'fsdp-precision[hf]'"
+        ) from exc
+
+
 def load_model(spec: str) -> nn.Module:
     """``hf:<model_type>`` | a local Hugging Face directory | ``module:callable``, on meta."""
     if spec.startswith("hf:"):
+        _require_transformers(spec)
         from transformers import AutoConfig
 
         model_type = spec[3:]
@@ -63,6 +74,7 @@ def load_model(spec: str) -> nn.Module:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"MODEL {spec!r} is a directory without config.json")
+        _require_transformers(spec)
         from transformers import AutoConfig
 
         return _from_config(AutoConfig.from_pretrained(str(path)))
