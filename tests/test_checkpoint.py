@@ -131,6 +131,7 @@ def record(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     state = full_state(model, opt)
     if dist.get_rank() == 0:
         torch.save(state, root() / f"{name}.expected.pt")
+    dist.barrier()  # no rank looks at the directory before rank 0 has written the file
 
 
 def fresh_dict(model: nn.Module) -> dict[str, torch.Tensor]:
