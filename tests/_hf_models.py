@@ -19,7 +19,6 @@ class Arch:
     inputs: Callable[[torch.Generator], dict[str, Any]]
     dtype: torch.dtype  # compute dtype at which the library keeps something
     kept: tuple[str, ...]  # substrings of FQNs expected to be kept in fp32
-    units: Callable[[nn.Module], list[nn.Module]] | None = None
 
 
 def _ids(g: torch.Generator, vocab: int = 96, shape: tuple[int, int] = (2, 8)) -> torch.Tensor:

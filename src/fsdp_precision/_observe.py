@@ -6,8 +6,7 @@ wraps ``torch.distributed``'s collective functions and forwards every call uncha
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,10 +155,3 @@ class GatherProbe:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[CollectiveRecorder]:
-    """``with recording() as rec:`` shorthand for :class:`CollectiveRecorder`."""
-    with CollectiveRecorder() as rec:
-        yield rec
