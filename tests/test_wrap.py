@@ -231,6 +231,29 @@ def case_fsdp_matches_manual_mapped_wrap() -> None:
     assert ours.blocks[0].up.weight.device_mesh.shape == (dist.get_world_size(),)
 
 
+def case_collectives_per_step_match_the_plan() -> None:
+    # The root keeps its parameters for backward when resharding is on (torch's default): the
+    # plan counts one all-gather for it. Forcing True on the root would cost one more per step.
+    from fsdp_precision._observe import CollectiveRecorder
+
+    for reshard in (True, False):
+        model = net()
+        config = DistributedConfig(
+            fsdp_auto_wrap_min_params=900,
+            precision_rules=KEEP,
+            fsdp_reshard_after_forward=reshard,
+        )
+        plan = plan_model_for_training(model, config)
+        wrap_model_for_training(model, config)
+        loss_of(model(inputs(0))).backward()  # the first step also lazily initialises FSDP
+        with CollectiveRecorder() as rec:
+            loss_of(model(inputs(1))).backward()
+        units = len(plan.units)
+        expected = plan.totals()["all_gathers_per_step"] if reshard else units
+        assert rec.count("all_gather") == expected, (reshard, rec.count("all_gather"), expected)
+        assert rec.count("reduce_scatter") == units
+
+
 def case_cpu_offload_trains_like_no_offload() -> None:
     a, b = clones(net(), 2)
     wrap_model_for_training(

@@ -37,7 +37,8 @@ class DistributedConfig:
         fsdp_cpu_offload: Keep sharded parameters, gradients and optimizer state on the CPU
             (FSDP2's ``CPUOffloadPolicy``). (Default: ``False``)
         fsdp_reshard_after_forward: Free gathered parameters after forward (re-gathered in
-            backward). (Default: ``True``)
+            backward), except the root's, which backward needs first (torch's default).
+            (Default: ``True``)
         hsdp_replicate_size: Replicas for ``"hsdp"``; must divide the world size. (Default:
             ``None``, required for ``"hsdp"``)
         precision_rules: Rules applied before the model's own keep declarations, e.g.

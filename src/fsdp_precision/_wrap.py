@@ -176,7 +176,10 @@ def wrap_model_for_training(
     plan = plan_model_for_training(model, config)
     kwargs: dict[str, Any] = {
         "mesh": _mesh(config, device),
-        "reshard_after_forward": config.fsdp_reshard_after_forward,
+        # None is torch's heuristic for True: every unit but the root, whose parameters backward
+        # needs first. An explicit True would re-gather the root in backward (one more
+        # all-gather per step than the plan counts).
+        "reshard_after_forward": None if config.fsdp_reshard_after_forward else False,
     }
     if config.fsdp_cpu_offload:
         # Pinned host memory needs an accelerator; on CPU-only runs there is nothing to pin.
