@@ -8,10 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["KEEP_IN_FP32", "TinyConfig", "TinyDecoder"]
-
-#: Parameters, relative to a block, kept in fp32 (norms and the router), plus the final norm.
-KEEP_IN_FP32 = ("attn_norm.weight", "mlp_norm.weight", "router.weight")
+__all__ = ["TinyConfig", "TinyDecoder"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +70,9 @@ class Block(nn.Module):
 
 
 class TinyDecoder(nn.Module):
+    #: Blocks are never split into smaller FSDP units (the convention transformers models use).
+    _no_split_modules = ("Block",)
+
     def __init__(self, cfg: TinyConfig) -> None:
         super().__init__()
         self.cfg = cfg
