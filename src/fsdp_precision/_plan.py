@@ -260,12 +260,14 @@ class PrecisionPlan:
         repeats: list[str] = []
 
         def flush() -> None:
-            if repeats:
+            if len(repeats) == 1:
+                lines.append(f"unit {repeats[0]}: same as the unit above")
+            elif repeats:
                 lines.append(
                     f"units {repeats[0]} .. {repeats[-1]} ({len(repeats)} units): "
                     "same as the unit above"
                 )
-                repeats.clear()
+            repeats.clear()
 
         for unit in self.units:
             if not unit.params:
@@ -316,7 +318,8 @@ class PrecisionPlan:
         tag = " [split child, param_dtype=None]" if unit.split_child else ""
         lines.append(
             f"unit {unit.name}{tag}: {len(unit.params)} params; all-gather {by_dtype}; "
-            f"{ag} all-gathers + {rs} reduce-scatter per step"
+            f"{ag} all-gather{'s' if ag != 1 else ''} + {rs} reduce-scatter"
+            f"{'s' if rs != 1 else ''} per step"
         )
         claimed = [p for p in unit.params if p.rule != "default"]
         for p in claimed[:max_params]:
