@@ -64,6 +64,61 @@ def _parser() -> argparse.ArgumentParser:
         help="keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    verify = sub.add_parser(
+        "verify",
+        help="check a model sharded by its precision plan against the unsharded reference, "
+        "per parameter, on N CPU processes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Builds MODEL on N CPU processes (gloo; transformers configs shrunk to a tiny size unless
+--full-size), compiles its precision plan (the model's keep-in-fp32 declarations plus --keep
+rules), wraps it with fully_shard and runs one forward, backward and AdamW step, on the same
+inputs on every rank, next to an unsharded reference that computes as FSDP does (each
+parameter cast to its planned compute dtype, each unit's inputs cast to its param_dtype).
+Compared, per parameter: the dtype it was all-gathered in (must be its planned compute
+dtype), its gradient and its value after the step; and the loss and output.
+
+Bitwise where the math allows: on 1 and 2 processes everything must be bitwise identical
+((g + g) / 2 == g exactly). On other counts the gradient reduction rounds ((g + g + g) / 3
+need not be g): gradients must be within N * eps(reduce dtype) * max|grad|, and the
+reference optimizer steps on FSDP's gradients so parameters still compare bitwise.
+Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODEL or option.""",
+    )
+    verify.add_argument(
+        "model",
+        metavar="MODEL",
+        help="hf:<model_type> (e.g. hf:deepseek_v3), a local Hugging Face directory with "
+        "config.json, or module:callable returning an nn.Module (with example_inputs(generator) "
+        "unless it is a transformers model)",
+    )
+    verify.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
+    verify.add_argument(
+        "--precision",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="mixed-precision preset (default: bf16)",
+    )
+    verify.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="GLOB[=DTYPE]",
+        help="keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
+    )
+    verify.add_argument(
+        "--full-size",
+        action="store_true",
+        help="build a transformers MODEL at its config's size instead of the tiny one",
+    )
+    verify.add_argument(
+        "--min-params",
+        type=int,
+        default=None,
+        help="size-based units as wrap_model_for_training makes them (default: the model's "
+        "_no_split_modules blocks and the root)",
+    )
+    verify.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -90,6 +145,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     precision=args.precision,
                     min_params=args.min_params,
                     rules=tuple(args.keep),
+                    as_json=args.json,
+                )
+            )
+        if args.command == "verify":
+            from ._verify_cmd import VerifyOptions, run_verify
+
+            return run_verify(
+                VerifyOptions(
+                    model=args.model,
+                    nproc=args.nproc,
+                    precision=args.precision,
+                    rules=tuple(args.keep),
+                    full_size=args.full_size,
+                    min_params=args.min_params,
+                    seed=args.seed,
                     as_json=args.json,
                 )
             )
