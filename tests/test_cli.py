@@ -35,32 +35,74 @@ def test_help(args: list[str]) -> None:
     ("args", "message"),
     [
         (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
+        (["--steps", "1"], "--steps must be an integer >= 2, got 1"),
+        (["--resume-nproc", "0"], "--resume-nproc must be an integer >= 1, got 0"),
         (["--dim", "30"], "--dim must be a multiple of 4 (4 attention heads), got 30"),
+        (["--model", "gpt2"], "--model 'gpt2' is not one of auto, builtin, hf:deepseek_v3"),
+        (["--keep", "*norm.weight=int8"], "--keep '*norm.weight=int8': dtype 'int8' is not one"),
+        (
+            ["--model", "builtin", "--keep", "nothing.here"],
+            "precision rule glob 'nothing.here' -> float32 matches no parameter of TinyDecoder",
+        ),
+        (["--output-dir", __file__], "exists and is not a directory"),
     ],
 )
-def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
-    out = run(*CLI, "demo", *args)
-    assert out.returncode == 2
-    assert out.stderr.strip() == f"fsdp-precision: error: {message}"
+def test_bad_demo_options_are_one_line_errors(args: list[str], message: str, capsys) -> None:
+    # In process: every one of these is refused before a process is started.
+    from fsdp_precision._cli import main
+
+    assert main(["demo", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsdp-precision: error: "), lines
+    assert message in lines[0]
 
 
-def _check_demo_output(stdout: str) -> None:
+def _check_builtin_demo(stdout: str) -> None:
+    # Per unit, the dtypes observed on the gathered parameters (FSDP hooks, not the plan).
     assert "blocks.0   bfloat16 49,536, float32 256" in stdout
-    assert "5 all-gathers, 3 reduce-scatters" in stdout
+    assert "<root>     bfloat16 32,768, float32 64" in stdout
     assert (
-        "bitwise identical to the fp32-child-unit reference over 1 steps on all 2 ranks" in stdout
+        "5 all-gathers + 3 reduce-scatters per forward+backward (separate fp32 units: 19 + 10)"
+        in stdout
     )
+    assert "parity      vs separate fp32 units: bitwise identical" in stdout
+    assert "resumed     on 1 process: bitwise identical to the uninterrupted run" in stdout
 
 
 @pytest.mark.distributed
-def test_demo_spawns_its_own_processes() -> None:
-    out = run(*CLI, "demo", "--steps", "1")
-    assert out.returncode == 0, out.stderr
-    _check_demo_output(out.stdout)
+def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
+    out = run(*CLI, "demo", "--model", "builtin", "--steps", "2", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check_builtin_demo(out.stdout)
+    assert "checkpoint  sharded, step 1, " in out.stdout and f"kept in {tmp_path}" in out.stdout
+    from fsdp_precision import read_checkpoint_metadata
+
+    meta = read_checkpoint_metadata(tmp_path / "checkpoint")
+    assert (meta["step"], meta["world_size"], meta["state_dict_type"]) == (1, 2, "sharded")
+    resume = json.loads((tmp_path / "resume.json").read_text())
+    assert resume["world_size"] == 1 and resume["differ"] == []
+    assert resume["losses"] == resume["expected_losses"] and len(resume["losses"]) == 1
 
 
 @pytest.mark.distributed
-def test_demo_under_torchrun() -> None:
+def test_demo_default_model_is_deepseek_v3_with_its_router_in_fp32() -> None:
+    pytest.importorskip("transformers")
+    out = run(*CLI, "demo", "--steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "model: DeepseekV3ForCausalLM (transformers" in out.stdout
+    assert "model.layers.1 bfloat16 44,736, float32 256" in out.stdout  # the router, gathered fp32
+    assert "model.layers.0 bfloat16 38,592 " in out.stdout  # the dense layer has no router
+    assert (
+        "7 all-gathers + 4 reduce-scatters per forward+backward (separate fp32 units: 11 + 6)"
+        in out.stdout
+    )
+    assert "parity      vs separate fp32 units: bitwise identical" in out.stdout
+    assert "resumed     on 1 process: bitwise identical to the uninterrupted run" in out.stdout
+    assert "removed (keep it with --output-dir DIR)" in out.stdout
+
+
+@pytest.mark.distributed
+def test_demo_under_torchrun_resumes_on_spawned_processes() -> None:
     out = run(
         sys.executable,
         "-m",
@@ -71,11 +113,63 @@ def test_demo_under_torchrun() -> None:
         "-m",
         "fsdp_precision",
         "demo",
+        "--model",
+        "builtin",
         "--steps",
-        "1",
+        "2",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    _check_demo_output(out.stdout)
+    _check_builtin_demo(out.stdout)
+
+
+@pytest.mark.distributed
+def test_demo_names_a_kept_module_that_does_not_cast_its_inputs() -> None:
+    # The negative control of the demo's own checks: a rule the model cannot honour fails
+    # loudly, with the reason, instead of training with promoted activations.
+    out = run(*CLI, "demo", "--model", "builtin", "--keep", "*qkv.weight", "--steps", "2")
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("fsdp-precision: demo failed: RuntimeError: the forward failed with")
+    assert "blocks.0.qkv.weight" in last and "the activation boundary is not moved" in last
+
+
+def _summary_of(*, nproc: int, resume_nproc: int, losses, expected, differ) -> int:
+    from fsdp_precision._cli._demo import DemoOptions, _summary
+
+    train = {
+        "output_dir": "/nowhere", "model": "m", "parameters": 10, "kept": ["a float32"],
+        "world_size": nproc, "backend": "gloo", "device": "cpu", "losses": [5.0, 4.0, 3.0, 2.0],
+        "parity": True, "reference_note": None, "gradients": 3, "counts": {}, "seconds": 1.0,
+    }  # fmt: skip
+    resume = {
+        "world_size": resume_nproc, "checkpoint_step": 2, "checkpoint_world_size": nproc,
+        "checkpoint_files": 3, "checkpoint_bytes": 2048, "losses": losses,
+        "expected_losses": expected, "parameters": 3, "differ": differ,
+        "max_abs_diff": 0.01 if differ else 0.0, "seconds": 1.0,
+    }  # fmt: skip
+    opts = DemoOptions(model="builtin", nproc=nproc, resume_nproc=resume_nproc, steps=4)
+    return _summary(opts, train, resume, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "resume_nproc", "losses", "differ", "code"),
+    [
+        (2, 1, [3.0, 2.0], [], 0),  # bitwise
+        (2, 1, [3.0, 2.0], ["w"], 1),  # one parameter differs where bitwise is expected
+        (2, 1, [3.0, 2.0000001], [], 1),  # a loss differs where bitwise is expected
+        (3, 2, [3.0, 2.0000001], ["w"], 0),  # 3 and 2 ranks sum in another order: tolerance
+        (3, 2, [3.0, 2.1], ["w"], 1),  # beyond the tolerance
+    ],
+)
+def test_demo_resume_verdict(capsys, nproc, resume_nproc, losses, differ, code):
+    got = _summary_of(
+        nproc=nproc,
+        resume_nproc=resume_nproc,
+        losses=losses,
+        expected=[3.0, 2.0],
+        differ=differ,
+    )
+    assert got == code, capsys.readouterr().out
 
 
 def test_plan_json_for_a_hub_architecture_on_meta() -> None:

@@ -17,17 +17,55 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
-        help="train a small transformer with fp32 norms/router inside bf16 FSDP units, "
-        "and check it bitwise against separate fp32 units",
-        description="Launches N CPU processes (gloo; NCCL when every rank has a GPU; or runs "
-        "under torchrun), trains a small decoder with norms and the MoE router mapped to fp32, "
-        "prints per FSDP unit the all-gathered dtypes and bytes and the collective counts, and "
-        "checks bitwise parity against the public-API reference.",
+        help="train a small transformer on N processes with fp32 router/norms inside bf16 FSDP "
+        "units, check it bitwise, checkpoint, resume at another world size",
+        description="Launches N processes (gloo on CPU; NCCL when every rank has a GPU; or runs "
+        "under torchrun) and trains a small decoder-only transformer (DeepSeek-V3 from its "
+        "transformers config when transformers is installed, a built-in one otherwise) with "
+        "precision rules compiled to exact per-unit maps. It shows the plan, checks losses, "
+        "every sharded gradient and every parameter bitwise against separate fp32 FSDP units, "
+        "saves a sharded checkpoint halfway, resumes it on a different number of processes and "
+        "checks the resumed run bitwise against the uninterrupted one.",
     )
-    demo.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
-    demo.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
+    demo.add_argument("--nproc", type=int, default=2, help="processes to train on (default: 2)")
+    demo.add_argument(
+        "--resume-nproc",
+        type=int,
+        default=None,
+        help="processes to resume on (default: 1, or 2 when --nproc is 1)",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=8, help="training steps, checkpoint halfway (default: 8)"
+    )
+    demo.add_argument(
+        "--model",
+        default="auto",
+        metavar="MODEL",
+        help="auto (hf:deepseek_v3 when transformers is installed, else builtin), "
+        "hf:deepseek_v3 or builtin (default: auto)",
+    )
     demo.add_argument("--dim", type=int, default=64, help="model width (default: 64)")
-    demo.add_argument("--depth", type=int, default=2, help="transformer blocks (default: 2)")
+    demo.add_argument("--depth", type=int, default=2, help="transformer (MoE) blocks (default: 2)")
+    demo.add_argument(
+        "--precision",
+        choices=("bf16", "fp16"),
+        default="bf16",
+        help="compute dtype preset; gradients reduce in fp32 (default: bf16)",
+    )
+    demo.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="GLOB[=DTYPE]",
+        help="also keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
+    )
+    demo.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="write the checkpoint and results here and keep them (default: a temporary "
+        "directory, removed at the end)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     plan = sub.add_parser(
         "plan",
@@ -132,7 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ._demo import DemoOptions, run
 
             opts = DemoOptions(
-                nproc=args.nproc, steps=args.steps, dim=args.dim, depth=args.depth, seed=args.seed
+                nproc=args.nproc,
+                resume_nproc=args.resume_nproc,
+                steps=args.steps,
+                model=args.model,
+                dim=args.dim,
+                depth=args.depth,
+                precision=args.precision,
+                keep=tuple(args.keep),
+                output_dir=args.output_dir,
+                seed=args.seed,
             )
             return run(opts)
         if args.command == "plan":

@@ -22,13 +22,12 @@ import copy
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from fsdp_precision._plan import PrecisionPlan
 from fsdp_precision._wrap import _no_split_names, plan_model_for_training, wrap_model_for_training
 
 from ._demo_model import DemoModel, demo_model, micro_batch, micro_batches_per_step
+from ._launch import is_rank0, launch, process_group, under_torchrun
 from ._plan_cmd import _parse_rule
 from ._progress import Progress
 
@@ -107,19 +107,33 @@ class DemoOptions:
 
 
 def run(opts: DemoOptions) -> int:
-    """Run both phases; under torchrun phase 1 runs in the launched ranks and rank 0 spawns
-    phase 2. Returns the exit code (0: parity and resume check passed)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(opts)
+    """Run both phases and print the summary; returns the exit code (0: checks passed).
+
+    Under torchrun the training phase runs in the launched ranks and rank 0 then starts the
+    resume phase's processes itself."""
     started = time.perf_counter()
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != opts.nproc:
+        opts = replace(opts, nproc=int(os.environ["WORLD_SIZE"]))
     _preflight(opts)
-    out, temporary = _output_dir(opts)
+    out = _output_dir(opts) if opts.output_dir is not None else None
+    if under_torchrun():
+        train = _train_rank(opts, out)
+        if not is_rank0():
+            return 0
+    else:
+        out = out or Path(tempfile.mkdtemp(prefix="fsdp-precision-demo-"))
+        train = launch(_train_rank, (opts, out), nproc=opts.nproc, start_method=_start_method())
+    assert train is not None
+    out = Path(train["output_dir"])
     try:
-        _spawn(_train_rank, opts.nproc, opts, out)
-        _spawn(_resume_rank, opts.resume_world, opts, out)
-        return _summary(opts, out, temporary, time.perf_counter() - started)
+        with _outside_torchrun():
+            resume = launch(
+                _resume_rank, (opts, out), nproc=opts.resume_world, start_method=_start_method()
+            )
+        assert resume is not None
+        return _summary(opts, train, resume, time.perf_counter() - started)
     finally:
-        if temporary:
+        if opts.output_dir is None:
             shutil.rmtree(out, ignore_errors=True)
 
 
@@ -140,98 +154,44 @@ def _config(opts: DemoOptions, spec: DemoModel, model: nn.Module) -> Distributed
     )
 
 
-def _output_dir(opts: DemoOptions) -> tuple[Path, bool]:
-    if opts.output_dir is None:
-        return Path(tempfile.mkdtemp(prefix="fsdp-precision-demo-")), True
-    out = Path(opts.output_dir).absolute()
+def _output_dir(opts: DemoOptions) -> Path:
+    out = Path(str(opts.output_dir)).absolute()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {opts.output_dir!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    return out, False
+    return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+def _start_method() -> str:
+    # Forked ranks inherit torch and transformers already imported (seconds each); CUDA cannot
+    # be used in a forked child, so with GPUs the ranks start fresh.
+    return "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
 
 
-def _spawn(
-    target: Callable[[DemoOptions, Path], None], nproc: int, opts: DemoOptions, out: Path
-) -> None:
-    from torch.multiprocessing.spawn import start_processes
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    start_processes(  # type: ignore[no-untyped-call]
-        _spawned,
-        args=(target, nproc, _free_port(), opts, out),
-        nprocs=nproc,
-        join=True,
-        start_method="spawn",
-    )
+@contextmanager
+def _outside_torchrun() -> Iterator[None]:
+    """Hide torchrun's environment while rank 0 starts processes of its own."""
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"}
+    saved = {n: v for n, v in os.environ.items() if n in names or n.startswith("TORCHELASTIC_")}
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
-def _spawned(
-    rank: int,
-    target: Callable[[DemoOptions, Path], None],
-    world: int,
-    port: int,
-    opts: DemoOptions,
-    out: Path,
-) -> None:
-    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
-        del os.environ[name]  # spawned from a torchrun rank: not one of torchrun's workers
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    _in_process_group(target, opts, out)
-
-
-def _in_process_group(
-    target: Callable[[DemoOptions, Path], None], opts: DemoOptions, out: Path
-) -> None:
+@contextmanager
+def _rank_group() -> Iterator[None]:
+    """This rank's process group: NCCL on its GPU when it has one, else gloo on one thread."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     if use_cuda:
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=120))
-    try:
-        target(opts, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_under_torchrun(opts: DemoOptions) -> int:
-    world = int(os.environ["WORLD_SIZE"])
-    if world != opts.nproc:
-        opts = DemoOptions(**{**asdict(opts), "nproc": world})
-    rank = int(os.environ["RANK"])
-    started = time.perf_counter()
-    shared: list[Any] = [None]
-
-    def train(opts: DemoOptions, _: Path) -> None:
-        if rank == 0:
-            shared[0] = _output_dir(opts)
-        dist.broadcast_object_list(shared, src=0)
-        _train_rank(opts, shared[0][0])
-
-    _in_process_group(train, opts, Path())
-    if rank != 0:
-        return 0
-    out, temporary = shared[0]
-    try:
-        _spawn(_resume_rank, opts.resume_world, opts, out)
-        return _summary(opts, out, temporary, time.perf_counter() - started)
-    finally:
-        if temporary:
-            shutil.rmtree(out, ignore_errors=True)
+    with process_group("nccl" if use_cuda else "gloo"):
+        yield
 
 
 # --------------------------------------------------------------------------- shared
@@ -334,7 +294,19 @@ class _UnitRow:
     wire: str = ""
 
 
-def _train_rank(opts: DemoOptions, out: Path) -> None:
+def _train_rank(opts: DemoOptions, out: Path | None) -> dict[str, Any] | None:
+    """Phase 1 on this rank; rank 0 returns the results (``out=None``: rank 0 makes a
+    temporary directory for everyone, under torchrun)."""
+    with _rank_group():
+        shared: list[Any] = [out]
+        if out is None:
+            if dist.get_rank() == 0:
+                shared[0] = Path(tempfile.mkdtemp(prefix="fsdp-precision-demo-"))
+            dist.broadcast_object_list(shared, src=0)
+        return _train(opts, shared[0])
+
+
+def _train(opts: DemoOptions, out: Path) -> dict[str, Any] | None:
     start = time.perf_counter()
     job = _job(opts)
     world, backend = dist.get_world_size(), dist.get_backend()
@@ -434,30 +406,31 @@ def _train_rank(opts: DemoOptions, out: Path) -> None:
         print(f"rank {dist.get_rank()}: parity FAILED: " + "; ".join(mismatches[:8]), flush=True)
     if has_reference:
         _say("", *_unit_table(rows, counts))
-    if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": final}, out / _UNINTERRUPTED)
-        _write(
-            out / _TRAIN,
-            {
-                "model": job.spec.name,
-                "parameters": n_params,
-                "kept": sorted(
-                    f"{p.fqn} {dtype_name(p.compute)}"
-                    for u in plan.units
-                    for p in u.params
-                    if p.rule != "default"
-                ),
-                "world_size": world,
-                "backend": backend,
-                "device": job.device.type,
-                "losses": losses,
-                "parity": parity,
-                "reference_note": reference_note,
-                "gradients": len(fqns),
-                "counts": counts,
-                "seconds": time.perf_counter() - start,
-            },
-        )
+    if dist.get_rank() != 0:
+        return None
+    torch.save({"losses": losses, "state": final}, out / _UNINTERRUPTED)
+    result = {
+        "output_dir": str(out),
+        "model": job.spec.name,
+        "parameters": n_params,
+        "kept": sorted(
+            f"{p.fqn} {dtype_name(p.compute)}"
+            for u in plan.units
+            for p in u.params
+            if p.rule != "default"
+        ),
+        "world_size": world,
+        "backend": backend,
+        "device": job.device.type,
+        "losses": losses,
+        "parity": parity,
+        "reference_note": reference_note,
+        "gradients": len(fqns),
+        "counts": counts,
+        "seconds": time.perf_counter() - start,
+    }
+    _write(out / _TRAIN, result)
+    return result
 
 
 def _first_forward(
@@ -563,7 +536,13 @@ def _unit_table(rows: dict[str, _UnitRow], counts: dict[str, tuple[int, int]]) -
 # --------------------------------------------------------------------------- phase 2: resume
 
 
-def _resume_rank(opts: DemoOptions, out: Path) -> None:
+def _resume_rank(opts: DemoOptions, out: Path) -> dict[str, Any] | None:
+    """Phase 2 on this rank; rank 0 returns the results."""
+    with _rank_group():
+        return _resume(opts, out)
+
+
+def _resume(opts: DemoOptions, out: Path) -> dict[str, Any] | None:
     start = time.perf_counter()
     job = _job(opts)
     world, k = dist.get_world_size(), opts.checkpoint_step
@@ -590,7 +569,7 @@ def _resume_rank(opts: DemoOptions, out: Path) -> None:
             progress.update(step - k, loss=losses[-1])
     final = model_state_dict(model, "full")
     if dist.get_rank() != 0:
-        return
+        return None
     uninterrupted = torch.load(out / _UNINTERRUPTED, weights_only=True)
     expected = uninterrupted["state"]
     differ = sorted(
@@ -603,22 +582,21 @@ def _resume_rank(opts: DemoOptions, out: Path) -> None:
         default=0.0,
     )
     files = [p for p in (out / _CHECKPOINT).rglob("*") if p.is_file()]
-    _write(
-        out / _RESUME,
-        {
-            "world_size": world,
-            "checkpoint_step": k,
-            "checkpoint_world_size": meta["world_size"],
-            "checkpoint_files": len(files),
-            "checkpoint_bytes": sum(p.stat().st_size for p in files),
-            "losses": losses,
-            "expected_losses": uninterrupted["losses"][k:],
-            "parameters": len(final),
-            "differ": differ,
-            "max_abs_diff": max_diff,
-            "seconds": time.perf_counter() - start,
-        },
-    )
+    result = {
+        "world_size": world,
+        "checkpoint_step": k,
+        "checkpoint_world_size": meta["world_size"],
+        "checkpoint_files": len(files),
+        "checkpoint_bytes": sum(p.stat().st_size for p in files),
+        "losses": losses,
+        "expected_losses": uninterrupted["losses"][k:],
+        "parameters": len(final),
+        "differ": differ,
+        "max_abs_diff": max_diff,
+        "seconds": time.perf_counter() - start,
+    }
+    _write(out / _RESUME, result)
+    return result
 
 
 # --------------------------------------------------------------------------- summary
@@ -628,9 +606,8 @@ def _processes(n: int) -> str:
     return f"{n} process{'es' if n != 1 else ''}"
 
 
-def _summary(opts: DemoOptions, out: Path, temporary: bool, wall: float) -> int:
-    train = json.loads((out / _TRAIN).read_text())
-    resume = json.loads((out / _RESUME).read_text())
+def _summary(opts: DemoOptions, train: dict[str, Any], resume: dict[str, Any], wall: float) -> int:
+    """Print the summary of both phases; return the exit code."""
     k = opts.checkpoint_step
     bitwise = not resume["differ"] and resume["losses"] == resume["expected_losses"]
     if bitwise:
@@ -666,7 +643,11 @@ def _summary(opts: DemoOptions, out: Path, temporary: bool, wall: float) -> int:
     else:
         parity_line = "FAILED (see the rank messages above)"
     losses = train["losses"]
-    where = f"kept in {out}" if not temporary else "removed (keep it with --output-dir DIR)"
+    where = (
+        f"kept in {train['output_dir']}"
+        if opts.output_dir is not None
+        else "removed (keep it with --output-dir DIR)"
+    )
     lines = [
         "",
         "summary",
@@ -688,8 +669,8 @@ def _summary(opts: DemoOptions, out: Path, temporary: bool, wall: float) -> int:
         f"{resume['checkpoint_bytes'] / 1024:,.0f} KiB, written by "
         f"{_processes(resume['checkpoint_world_size'])}; {where}",
         f"  resumed     on {_processes(resume['world_size'])}: {resume_line}",
-        f"  time        {wall:.1f} s, process start-up included (in the ranks: train "
-        f"{train['seconds']:.1f} s, resume {resume['seconds']:.1f} s)",
+        f"  time        {wall:.1f} s for both phases, process start-up included (in the "
+        f"ranks: train {train['seconds']:.1f} s, resume {resume['seconds']:.1f} s)",
     ]
     print("\n".join(lines), flush=True)
     ok = train["parity"] is not False and resume_ok
