@@ -221,3 +221,29 @@ def test_plan_bad_model_is_one_line(model: str, message: str) -> None:
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith("fsdp-precision: error: ") and message in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("model", "unit", "expected_map"),
+    [
+        # t5-small's blocks are under the 10M auto-wrap threshold: one root unit, wo kept.
+        ("hf:t5", "<root>", {"encoder.block.0.layer.1.DenseReluDense.wo.weight": "float32"}),
+        # gpt-oss declares its norms for fp16 (_keep_in_fp32_modules).
+        (
+            "hf:gpt_oss",
+            "model.layers.0",
+            {"input_layernorm.weight": "float32", "post_attention_layernorm.weight": "float32"},
+        ),
+    ],
+)
+def test_plan_json_for_t5_and_gpt_oss_at_fp16(
+    model: str, unit: str, expected_map: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from fsdp_precision._cli import main
+
+    assert main(["plan", model, "--precision", "fp16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    got = next(u for u in data["units"] if u["name"] == unit)["policy"]["param_dtype_map"]
+    assert expected_map.items() <= got.items(), got
+    assert all(dtype == "float32" for dtype in got.values())
