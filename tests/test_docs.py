@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 ROOT = Path(__file__).parents[1]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PAGES = sorted(
     p.relative_to(ROOT).as_posix()
     for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
-    if "```python" in p.read_text()
+    if BLOCK.search(p.read_text())
 )
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 class Block(nn.Module):
