@@ -9,6 +9,32 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
+_MODEL_HELP = (
+    "hf:<model_type> (e.g. hf:deepseek_v3), a local Hugging Face directory with config.json, "
+    "or module:callable returning an nn.Module"
+)
+
+
+def _add_keep(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="GLOB[=DTYPE]",
+        help="keep parameters matching GLOB in DTYPE (fp32 unless given), before the model's "
+        "own keep-in-fp32 declarations; repeatable",
+    )
+
+
+def _add_precision(parser: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+    parser.add_argument(
+        "--precision",
+        choices=choices,
+        default="bf16",
+        help="mixed-precision preset: compute dtype; gradients reduce in fp32 (default: bf16)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-precision",
@@ -46,19 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dim", type=int, default=64, help="model width (default: 64)")
     demo.add_argument("--depth", type=int, default=2, help="transformer (MoE) blocks (default: 2)")
-    demo.add_argument(
-        "--precision",
-        choices=("bf16", "fp16"),
-        default="bf16",
-        help="compute dtype preset; gradients reduce in fp32 (default: bf16)",
-    )
-    demo.add_argument(
-        "--keep",
-        action="append",
-        default=[],
-        metavar="GLOB[=DTYPE]",
-        help="also keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
-    )
+    _add_precision(demo, ("bf16", "fp16"))
+    _add_keep(demo)
     demo.add_argument(
         "--output-dir",
         default=None,
@@ -75,32 +90,16 @@ def _parser() -> argparse.ArgumentParser:
         "all-gather, collectives per step, memory per rank, compared with a uniform policy and "
         "with separate fp32 child units.",
     )
-    plan.add_argument(
-        "model",
-        metavar="MODEL",
-        help="hf:<model_type> (e.g. hf:deepseek_v3), a local Hugging Face directory with "
-        "config.json, or module:callable returning an nn.Module",
-    )
+    plan.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
     plan.add_argument("--world-size", type=int, default=8, help="ranks to shard over (default: 8)")
-    plan.add_argument(
-        "--precision",
-        choices=("bf16", "fp16", "fp32"),
-        default="bf16",
-        help="mixed-precision preset (default: bf16)",
-    )
+    _add_precision(plan, ("bf16", "fp16", "fp32"))
     plan.add_argument(
         "--min-params",
         type=int,
         default=10_000_000,
         help="auto-wrap threshold in parameters (default: 10000000)",
     )
-    plan.add_argument(
-        "--keep",
-        action="append",
-        default=[],
-        metavar="GLOB[=DTYPE]",
-        help="keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
-    )
+    _add_keep(plan)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = sub.add_parser(
         "verify",
@@ -125,24 +124,11 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     verify.add_argument(
         "model",
         metavar="MODEL",
-        help="hf:<model_type> (e.g. hf:deepseek_v3), a local Hugging Face directory with "
-        "config.json, or module:callable returning an nn.Module (with example_inputs(generator) "
-        "unless it is a transformers model)",
+        help=_MODEL_HELP + " (with example_inputs(generator) unless it is a transformers model)",
     )
     verify.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
-    verify.add_argument(
-        "--precision",
-        choices=("bf16", "fp16", "fp32"),
-        default="bf16",
-        help="mixed-precision preset (default: bf16)",
-    )
-    verify.add_argument(
-        "--keep",
-        action="append",
-        default=[],
-        metavar="GLOB[=DTYPE]",
-        help="keep parameters matching GLOB in DTYPE (fp32 unless given); repeatable",
-    )
+    _add_precision(verify, ("bf16", "fp16", "fp32"))
+    _add_keep(verify)
     verify.add_argument(
         "--full-size",
         action="store_true",
