@@ -19,6 +19,7 @@ import torch
 
 from fsdp_precision._cli import main
 from fsdp_precision._cli._verify_cmd import format_report
+from fsdp_precision._patch import torch_release
 from fsdp_precision._verify import (
     Comparison,
     ParamParity,
@@ -150,9 +151,11 @@ def test_gpt_oss_with_a_keep_rule(hf_runs: Runs) -> None:
 
 @pytest.mark.distributed
 def test_module_callable_on_three_ranks_within_tolerance() -> None:
-    out = verify(
-        "_verify_models:TinyNet", "--nproc", "3", "--keep", "*norm.*", "--keep", "*gate.weight=fp16"
-    )
+    # torch 2.15's native override cannot compute an fp32-stored parameter in fp16 (refused, see
+    # test_native_v2_15.py); there the gate is kept in its storage dtype instead.
+    native = torch_release() == "2.15"
+    gate, gate_dtype = ("*gate.weight", "float32") if native else ("*gate.weight=fp16", "float16")
+    out = verify("_verify_models:TinyNet", "--nproc", "3", "--keep", "*norm.*", "--keep", gate)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith(
@@ -161,7 +164,7 @@ def test_module_callable_on_three_ranks_within_tolerance() -> None:
     )
     assert "plan: 3 FSDP units" in lines[1]
     row = next(line.split() for line in lines if line.startswith("blocks.1.gate.weight"))
-    assert row[:5] == ["blocks.1.gate.weight", "float32", "float16", "glob", "'*gate.weight'"]
+    assert row[:5] == ["blocks.1.gate.weight", "float32", gate_dtype, "glob", "'*gate.weight'"]
     assert row[-1] == "bitwise"
     eps = torch.finfo(fp32).eps
     assert lines[-1].startswith(

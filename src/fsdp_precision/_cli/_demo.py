@@ -126,10 +126,10 @@ def run(opts: DemoOptions) -> int:
     assert train is not None
     out = Path(train["output_dir"])
     try:
+        # A torchrun rank has run autograd by now: its children must start fresh (no fork).
+        method = "spawn" if under_torchrun() else _start_method()
         with _outside_torchrun():
-            resume = launch(
-                _resume_rank, (opts, out), nproc=opts.resume_world, start_method=_start_method()
-            )
+            resume = launch(_resume_rank, (opts, out), nproc=opts.resume_world, start_method=method)
         assert resume is not None
         return _summary(opts, train, resume, time.perf_counter() - started)
     finally:
