@@ -497,3 +497,15 @@ def test_killed_save_leaves_a_loadable_checkpoint(
     assert check.returncode == 0 and "verified" in check.stdout, (check.stdout, check.stderr)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
     assert read_checkpoint_metadata(target)["step"] == survivor + 10
+
+
+def test_export_without_safetensors_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A None entry in sys.modules makes the import fail as if the package were absent; nothing
+    # is written before the error.
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(CheckpointError, match=r"needs the safetensors package.*pip install"):
+        export_safetensors(nn.Linear(2, 2), tmp_path / "export")
+    assert not (tmp_path / "export").exists()

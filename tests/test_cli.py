@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -247,3 +248,21 @@ def test_plan_json_for_t5_and_gpt_oss_at_fp16(
     got = next(u for u in data["units"] if u["name"] == unit)["policy"]["param_dtype_map"]
     assert expected_map.items() <= got.items(), got
     assert all(dtype == "float32" for dtype in got.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nproc": 0}, r"--nproc must be an integer >= 1, got 0"),
+        ({"steps": True}, r"--steps must be an integer >= 2, got True"),
+        ({"resume_nproc": 0}, r"--resume-nproc must be an integer >= 1, got 0"),
+        ({"precision": "fp32"}, r"--precision must be bf16 or fp16, got 'fp32'"),
+        ({"keep": ("*x=fp8",)}, r"--keep '\*x=fp8': dtype 'fp8' is not one of fp32, bf16, fp16"),
+        ({"model": "hf:llama"}, r"--model 'hf:llama' is not one of auto, builtin, hf:deepseek_v3"),
+    ],
+)
+def test_demo_options_are_validated_on_construction(kwargs: dict[str, Any], message: str) -> None:
+    from fsdp_precision._cli._demo import DemoOptions
+
+    with pytest.raises(ValueError, match=message):
+        DemoOptions(**{"model": "builtin", **kwargs})
