@@ -157,9 +157,3 @@ def micro_batch(
 def micro_batches_per_step(*world_sizes: int) -> int:
     """The global batch in micro-batches: divisible by every world size the run uses."""
     return math.lcm(*world_sizes)
-
-
-def unit_names(model: nn.Module, units: Any) -> dict[int, str]:
-    """``id(module) -> name`` for the modules of planned units (``<root>`` for the root)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    return {id(m): (names[id(m)] or "<root>") for unit in units for m in unit.modules}
