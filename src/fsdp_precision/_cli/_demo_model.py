@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -15,7 +14,13 @@ from fsdp_precision._rules import Glob
 
 from ._tiny import TinyConfig, TinyDecoder
 
-__all__ = ["DemoModel", "demo_model", "transformers_available"]
+__all__ = [
+    "DemoModel",
+    "demo_model",
+    "micro_batch",
+    "micro_batches_per_step",
+    "transformers_available",
+]
 
 #: The architecture ``--model auto`` picks when transformers is installed.
 DEFAULT_HF = "deepseek_v3"
