@@ -266,3 +266,23 @@ def test_demo_options_are_validated_on_construction(kwargs: dict[str, Any], mess
 
     with pytest.raises(ValueError, match=message):
         DemoOptions(**{"model": "builtin", **kwargs})
+
+
+def test_demo_reference_refuses_a_map_separate_units_cannot_express() -> None:
+    # Keeping a Linear's weight but not its bias: no fully_shard unit of its own can hold both
+    # dtypes, so the demo says why it skips the reference (and runs the resume check only).
+    import torch.nn as nn
+
+    from fsdp_precision import Glob, PrecisionRules, compile_param_dtype_maps
+    from fsdp_precision._cli._demo import _wrap_reference
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(Glob("0.weight"),), hf_keep_in_fp32=False), [model]
+    )
+    names = {id(m): n for n, m in model.named_modules()}
+    note = _wrap_reference(model, plan, names)
+    assert note == (
+        "separate units cannot express this map (0 also holds parameters in another dtype)"
+    )
+    assert not hasattr(model, "_get_fsdp_state")  # refused before anything was wrapped
