@@ -6,10 +6,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _transformers_major() -> int | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0])
+    except PackageNotFoundError:
+        return None
+
+
+#: What these tests expect of the architectures is transformers 5's: DeepSeek-V3 declares its
+#: router keep-in-fp32 (4.x declares nothing), and gpt-oss's attention accepts fp32 sinks with
+#: bf16 activations (4.x's does not).
+requires_transformers_5 = pytest.mark.skipif(
+    (_transformers_major() or 5) < 5, reason="expects transformers 5's declarations and models"
+)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from _hf_models import requires_transformers_5
+
 CLI = [sys.executable, "-m", "fsdp_precision"]
 TESTS = str(Path(__file__).parent)
 ENV = {
@@ -173,6 +175,7 @@ def test_demo_resume_verdict(capsys, nproc, resume_nproc, losses, differ, code):
     assert got == code, capsys.readouterr().out
 
 
+@requires_transformers_5
 def test_plan_json_for_a_hub_architecture_on_meta() -> None:
     pytest.importorskip("transformers")
     out = run(*CLI, "plan", "hf:deepseek_v3", "--world-size", "64", "--json")

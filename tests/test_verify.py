@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from _hf_models import requires_transformers_5
 from fsdp_precision._cli import main
 from fsdp_precision._cli._verify_cmd import format_report
 from fsdp_precision._patch import torch_release
@@ -102,6 +103,7 @@ def by_fqn(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.distributed
+@requires_transformers_5
 def test_deepseek_v3_router_computes_in_fp32_bitwise(hf_runs: Runs) -> None:
     code, data = parse_json(hf_runs["deepseek_v3"])
     assert code == 0 and data["ok"], data["problems"]
@@ -135,6 +137,7 @@ def test_t5_fp16_keeps_wo_in_fp32_table(hf_runs: Runs) -> None:
 
 
 @pytest.mark.distributed
+@requires_transformers_5
 def test_gpt_oss_with_a_keep_rule(hf_runs: Runs) -> None:
     code, data = parse_json(hf_runs["gpt_oss"])
     assert code == 0 and data["ok"], data["problems"]

@@ -114,9 +114,10 @@ def _deepseek_v3(dim: int, depth: int) -> DemoModel:
         name=f"DeepseekV3ForCausalLM (transformers {transformers.__version__}) hidden={dim} "
         f"layers={depth + 1} routed experts=4",
         build=lambda: DeepseekV3ForCausalLM(config),
-        rules=(),
-        rules_note="the MoE router (mlp.gate.weight) computes in fp32, as the model declares "
-        "(_keep_in_fp32_modules_strict) and its router's forward expects; DeepSeek-V3's RMSNorm "
+        # transformers 5 declares it too (_keep_in_fp32_modules_strict); 4.x declares nothing.
+        rules=(Glob("*.mlp.gate.weight"),),
+        rules_note="the MoE router (mlp.gate.weight) computes in fp32: its forward casts its "
+        "input to fp32 (and transformers 5 declares it keep-in-fp32); DeepSeek-V3's RMSNorm "
         "returns weight * x, so an fp32 norm weight would promote the activations: norms stay "
         "bf16 (see docs/rules.md)",
         vocab=256,
