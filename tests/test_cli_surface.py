@@ -87,3 +87,30 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
         main([])
     assert exit_.value.code == 2
     assert "the following arguments are required: COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: _verify_options(nproc=0), r"--nproc must be an integer >= 1, got 0"),
+        (lambda: _verify_options(nproc=True), r"--nproc must be an integer >= 1, got True"),
+        (lambda: _verify_options(min_params=-1), r"--min-params must be >= 0, got -1"),
+        (lambda: _plan_options(world_size=0), r"--world-size must be >= 1, got 0"),
+        (lambda: _plan_options(min_params=-5), r"--min-params must be >= 0, got -5"),
+    ],
+)
+def test_plan_and_verify_options_are_validated_on_construction(build: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def _verify_options(**kwargs: Any) -> Any:
+    from fsdp_precision._cli._verify_cmd import VerifyOptions
+
+    return VerifyOptions(model="hf:llama", **kwargs)
+
+
+def _plan_options(**kwargs: Any) -> Any:
+    from fsdp_precision._cli._plan_cmd import PlanOptions
+
+    return PlanOptions(model="hf:llama", **kwargs)
