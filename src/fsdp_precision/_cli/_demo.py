@@ -360,19 +360,22 @@ def _train(opts: DemoOptions, out: Path) -> dict[str, Any] | None:
                 if first:
                     _attribute_forward(rec_ours, order, rows)
                 (loss * job.scale if job.scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
+            if probe is not None:  # observation is for the first micro-batch only
+                probe.remove()
+                for handle in markers:
+                    handle.remove()
+                for fqn, seen in probe.seen.items():
+                    gathered = rows[owner[fqn]].gathered
+                    gathered[dtype_name(seen.dtype)] = (
+                        gathered.get(dtype_name(seen.dtype), 0) + seen.numel
+                    )
             micro_losses.append(loss.detach())
             if not has_reference:
                 continue
             with CollectiveRecorder() as rec_ref:
                 loss_ref = job.spec.loss(ref, tokens)
                 (loss_ref * job.scale if job.scale != 1 else loss_ref).backward()  # type: ignore[no-untyped-call]
-            if probe is not None:
-                probe.remove()
-                for fqn, seen in probe.seen.items():
-                    gathered = rows[owner[fqn]].gathered
-                    gathered[dtype_name(seen.dtype)] = (
-                        gathered.get(dtype_name(seen.dtype), 0) + seen.numel
-                    )
+            if first:
                 counts = {
                     "mapped": (rec_ours.count("all_gather"), rec_ours.count("reduce_scatter")),
                     "reference": (rec_ref.count("all_gather"), rec_ref.count("reduce_scatter")),
@@ -397,9 +400,6 @@ def _train(opts: DemoOptions, out: Path) -> dict[str, Any] | None:
             save_checkpoint(out / _CHECKPOINT, ours, opt_ours, step=step)
         if progress is not None:
             progress.update(step, loss=losses[-1])
-    for handle in markers:
-        handle.remove()
-
     final = model_state_dict(ours, "full")
     parity = _all_ranks_agree(not mismatches, job.device) if has_reference else None
     if mismatches:
