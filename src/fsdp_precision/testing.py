@@ -1,0 +1,11 @@
+"""Check your own model the way this library checks itself.
+
+Public, documented helpers for tests, examples, benchmarks and the CLI: the separate-units
+reference (the public-API way to keep parameters in another dtype), the gather observer (what each
+unit really all-gathers, seen in forward pre-hooks), the collective recorder (every all-gather and
+reduce-scatter, with dtype and bytes) and typed results gathered across ranks.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
