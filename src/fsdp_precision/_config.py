@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -11,12 +13,15 @@ from fsdp_precision._rules import Glob, ModuleClass, PrecisionRules, Rule
 
 __all__ = ["PRESETS", "DistributedConfig"]
 
-#: Named mixed-precision presets: (param_dtype, reduce_dtype).
-PRESETS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    "fp32": (None, None),
-    "bf16": (torch.bfloat16, torch.float32),
-    "fp16": (torch.float16, torch.float32),  # needs loss scaling: see make_grad_scaler
-}
+PRESETS: Mapping[str, tuple[torch.dtype | None, torch.dtype | None]] = MappingProxyType(
+    {
+        "fp32": (None, None),
+        "bf16": (torch.bfloat16, torch.float32),
+        "fp16": (torch.float16, torch.float32),  # needs loss scaling: see make_grad_scaler
+    }
+)
+"""Named mixed-precision presets of ``DistributedConfig.fsdp_mixed_precision``, read-only:
+name -> ``(param_dtype, reduce_dtype)``; ``None`` keeps the storage dtype."""
 
 Strategy = Literal["none", "ddp", "fsdp", "hsdp"]
 

@@ -13,7 +13,6 @@ def _dtypes(*names: str) -> tuple[torch.dtype, ...]:
     return tuple(d for d in found if isinstance(d, torch.dtype))
 
 
-#: Dtypes a parameter can be all-gathered in (contract point 6).
 MAPPABLE_DTYPES: tuple[torch.dtype, ...] = _dtypes(
     "float8_e4m3fn",
     "float8_e4m3fnuz",
@@ -24,6 +23,7 @@ MAPPABLE_DTYPES: tuple[torch.dtype, ...] = _dtypes(
     "float32",
     "float64",
 )
+"""Dtypes a ``param_dtype_map`` entry may name (contract point 6), those this torch has."""
 
 # Rejected by name: FSDP would need a slow, per-tensor path for them.
 _REJECTED: dict[str, str] = {
