@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -197,27 +199,79 @@ class Owned(nn.Module):
         self.lin = nn.Linear(8, 8)
 
 
-def test_split_strategy_fail_closed_layouts() -> None:
+class Nested(nn.Module):
+    """A norm holding a child linear: the norm's own unit would take the child's weight too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.norm.proj = nn.Linear(8, 8)
+        self.lin = nn.Linear(8, 8)
+
+
+SEPARATE_REFUSALS = [
+    (
+        Owned,
+        (Glob("table"),),
+        r"separate units cannot express this plan: kept parameter 'table' \(glob 'table' -> "
+        r"float32\) sits directly on the root, which also holds \['extras\.scale', "
+        r"'extras\.shift', 'lin\.weight', 'lin\.bias'\] in other dtypes",
+    ),
+    (
+        Owned,
+        (Glob("extras.scale"),),
+        r"module 'extras' owns kept 'extras\.scale' \(glob 'extras\.scale' -> float32\) and "
+        r"\['shift'\] in other dtypes; a unit has one param_dtype, so keep the whole module\. "
+        r"Use strategy='patch'",
+    ),
+    (  # kept in two dtypes inside one module
+        Owned,
+        (Glob("extras.scale"), Glob("extras.shift", fp16)),
+        r"module 'extras' owns kept 'extras\.scale' .* and \['shift'\] in other dtypes",
+    ),
+    (  # new with the shared layout: a descendant that is not kept
+        Nested,
+        (Glob("norm.weight"), Glob("norm.bias")),
+        r"module 'norm' owns kept 'norm\.weight' .* and \['proj\.weight', 'proj\.bias'\] in "
+        r"other dtypes",
+    ),
+    (
+        Owned,
+        (Glob("extras.*"),),
+        r"kept 'extras\.scale' sits in the container 'extras' \(ParameterDict\), which nobody "
+        r"calls",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "rules", "message"), SEPARATE_REFUSALS)
+def test_split_strategy_fail_closed_layouts(make, rules, message) -> None:
+    model = make()
+    with pytest.raises(ParamDtypeMapError, match=message):
+        compile_param_dtype_maps(model, PrecisionRules(rules=rules, strategy="split"), [model])
+    # The same plan under the patch: one unit, exact map; the separate-units estimate says why.
+    plan = compile_param_dtype_maps(model, PrecisionRules(rules=rules), [model])
+    alt = plan.alternatives()["separate_fp32_units"]
+    assert alt["units"] is None and re.search(message, alt["note"])
+    assert "separate fp32 units:  not possible: separate units cannot express" in plan.explain()
+
+
+def test_split_strategy_kept_in_a_third_dtype_gets_that_param_dtype() -> None:
+    # Was refused before separate units were one layout ("kept in float16 but stored in
+    # float32"): the module now gets its own unit with param_dtype=float16, no input cast.
     model = Owned()
-    with pytest.raises(
-        ParamDtypeMapError, match=r"kept parameter 'table' .* sits directly on the root"
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(Glob("table"),), strategy="split"), [model]
-        )
-    with pytest.raises(
-        ParamDtypeMapError,
-        match=r"module 'extras' owns kept 'extras\.scale' and non-kept \['shift'\]",
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(Glob("extras.scale"),), strategy="split"), [model]
-        )
-    with pytest.raises(
-        ParamDtypeMapError, match=r"'lin\.weight' is kept in float16 but stored in float32"
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(ModuleClass(nn.Linear, fp16),), strategy="split"), [model]
-        )
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(ModuleClass(nn.Linear, fp16),), strategy="split"), [model]
+    )
+    (child,) = [u for u in plan.units if u.split_child]
+    assert child.name == "lin" and child.policy.param_dtype == fp16
+    assert child.policy.cast_forward_inputs is False
+    assert {p.fqn: p.compute for p in child.params} == {"lin.weight": fp16, "lin.bias": fp16}
+    # Stored in the kept dtype: param_dtype=None (the activation boundary does not move).
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(ModuleClass(nn.Linear),), strategy="split"), [model]
+    )
+    assert [u.policy.param_dtype for u in plan.units if u.split_child] == [None]
 
 
 # ---------------------------------------------------------------------- plans, explain, JSON
@@ -245,6 +299,7 @@ def test_explain_and_json_report_units_bytes_and_alternatives() -> None:
         "units": 3,
         "all_gathers_per_step": 5,
         "reduce_scatters_per_step": 3,
+        "all_reduces_per_step": 0,
         "all_gather_bytes_per_step": data["totals"]["all_gather_bytes_per_step"],
     }
     alt = data["alternatives"]["separate_fp32_units"]
@@ -404,9 +459,11 @@ def test_split_strategy_matches_the_patched_plan_bitwise() -> None:
     wrong = compile_param_dtype_maps(
         wrong_model, PrecisionRules(rules=rules, strategy="split"), net_units(wrong_model)
     )
-    for unit in wrong.units:
-        if unit.split_child:
-            unit.policy = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32)
+    fp32_children = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32)
+    wrong = replace(
+        wrong,
+        units=tuple(replace(u, policy=fp32_children) if u.split_child else u for u in wrong.units),
+    )
     wrong.apply()
     with pytest.raises(RuntimeError, match="must have the same dtype, but got Float and BFloat16"):
         train_in_lockstep([patch_model, wrong_model], steps=1)

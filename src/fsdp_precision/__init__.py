@@ -40,8 +40,9 @@ from ._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
-from ._plan import PlannedParam, PlannedUnit, PrecisionPlan, compile_param_dtype_maps, default_units
+from ._compile import compile_param_dtype_maps, default_units
 from ._policy import ParamDtypeMixedPrecisionPolicy
+from ._records import PlannedParam, PlannedUnit, PrecisionPlan
 from ._rules import Glob, ModuleClass, PrecisionRules
 from ._wrap import (
     auto_wrap_units,

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from fsdp_precision._dtypes import check_mappable_dtype, dtype_name
 
-__all__ = ["Glob", "ModuleClass", "PrecisionRules", "Rule"]
+__all__ = ["AnyRule", "DeclaredRule", "Glob", "ModuleClass", "PrecisionRules", "Rule", "rule_label"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,15 @@ class DeclaredRule:
 
     def __str__(self) -> str:
         return f"{self.source} {self.pattern!r}"
+
+
+#: Anything that can claim a parameter: a user rule or a model declaration.
+AnyRule = Glob | ModuleClass | DeclaredRule
+
+
+def rule_label(rule: AnyRule | None) -> str:
+    """Display label of a rule (``"default"`` for ``None``: no rule claimed the parameter)."""
+    return "default" if rule is None else str(rule)
 
 
 @dataclass(frozen=True, kw_only=True)
