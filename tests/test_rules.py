@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import replace
@@ -20,7 +21,7 @@ from fsdp_precision import (
     hf,
 )
 
-from _models import Net, bf16, clones, fp16, fp32, train_in_lockstep
+from _models import Net, bf16, clones, fp16, fp32, inputs, train_in_lockstep
 
 transformers = pytest.importorskip("transformers")
 TF_MAJOR = int(transformers.__version__.split(".")[0])
@@ -115,6 +116,58 @@ def test_user_rules_come_before_model_declarations() -> None:
 def test_rule_matching_nothing_is_an_error(rule, message) -> None:
     with pytest.raises(ParamDtypeMapError, match=message):
         plan_of(Net(), rule)
+
+
+SHADOWED = [
+    (  # same pattern, another dtype: used to share one claims entry and pass silently
+        (Glob("*norm.weight"), Glob("*norm.weight", fp16)),
+        r"precision rule glob '\*norm\.weight' -> float16 \(rules\[1\]\) claims no parameter: "
+        r"every parameter it matches \(3, e\.g\. 'blocks\.0\.norm\.weight'\) was claimed first "
+        r"by rules\[0\] glob '\*norm\.weight' -> float32 \(first match wins\)\. Remove it, or "
+        r"move it before the rule\(s\) it should override",
+    ),
+    (  # taken by two earlier rules together
+        (Glob("*norm.weight"), Glob("*norm.bias"), ModuleClass(nn.LayerNorm, bf16)),
+        r"precision rule class LayerNorm -> bfloat16 \(rules\[2\]\) claims no parameter: every "
+        r"parameter it matches \(6, e\.g\. 'blocks\.0\.norm\.weight'\) was claimed first by "
+        r"rules\[0\] glob '\*norm\.weight' -> float32, rules\[1\] glob '\*norm\.bias' -> float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(("rules", "message"), SHADOWED)
+def test_rule_fully_shadowed_by_earlier_rules_is_an_error(rules, message) -> None:
+    with pytest.raises(ParamDtypeMapError, match=message):
+        plan_of(Net(), *rules)
+
+
+def test_partly_shadowed_rule_and_shadowed_declarations_are_precedence() -> None:
+    # Negative control: a rule that keeps at least one parameter is ordinary precedence.
+    norms, narrow = Glob("blocks.*norm.weight"), Glob("*norm.weight", fp16)
+    plan = plan_of(Net(), norms, narrow)
+    claims = {c.rule: c.fqns for c in plan.claims}
+    assert claims[narrow] == ("norm.weight",)
+    # A model declaration that user rules shadow is precedence too: reported, not refused.
+    from _hf_models import t5
+
+    model = t5()
+    wo = Glob("*wo.weight", fp32)
+    plan = compile_param_dtype_maps(model, PrecisionRules(param_dtype=fp16, rules=(wo,)))
+    (decl,) = [c for c in plan.claims if c.declared]
+    assert decl.fqns == () and "_keep_in_fp32_modules 'wo': 0 parameters" in plan.explain()
+
+
+def test_claims_are_keyed_by_rule_identity() -> None:
+    a, b = ModuleClass(nn.LayerNorm, params=("weight",)), ModuleClass(nn.LayerNorm, fp16)
+    plan = plan_of(Net(), a, b)
+    by_fqn = {p.fqn: p for u in plan.units for p in u.params}
+    assert by_fqn["norm.weight"].claimed_by is a and by_fqn["norm.bias"].claimed_by is b
+    assert by_fqn["head.weight"].claimed_by is None and not by_fqn["head.weight"].kept
+    assert [c.rule for c in plan.claims] == [a, b]
+    assert plan.rule_claims == {
+        "class LayerNorm ['weight']": ["blocks.0.norm.weight", "blocks.1.norm.weight", "norm.weight"],
+        "class LayerNorm": ["blocks.0.norm.bias", "blocks.1.norm.bias", "norm.bias"],
+    }
 
 
 def test_bad_rules_rejected_at_construction() -> None:
@@ -467,3 +520,68 @@ def test_split_strategy_matches_the_patched_plan_bitwise() -> None:
     wrong.apply()
     with pytest.raises(RuntimeError, match="must have the same dtype, but got Float and BFloat16"):
         train_in_lockstep([patch_model, wrong_model], steps=1)
+
+
+class CastingRouter(nn.Linear):
+    """Casts its input to its own (gathered) weight's dtype, and the result back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16)])  # so that net_units() applies
+        self.router = CastingRouter(16, 4, bias=False)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        return self.head(h) * self.router(h).softmax(-1).mean(-1, keepdim=True)
+
+
+def _bf16_net_with_fp32_gates() -> nn.Module:
+    model = Net().to(bf16)
+    for block in model.blocks:
+        block.gate.float()
+    return model
+
+
+SEPARATE_PARITY = [
+    # (model, rules, kept units and their param_dtype, input dtype)
+    (Net, dict(rules=(ModuleClass(nn.LayerNorm), Glob("*gate.weight"))), [None] * 5, fp32),
+    (Routed, dict(rules=(Glob("router.weight", fp16),)), [fp16], fp32),  # a third dtype
+    (  # stored in bf16 with fp32 gates (what from_pretrained gives), storage dtypes kept
+        _bf16_net_with_fp32_gates,
+        dict(param_dtype=None, rules=(Glob("*gate.weight"),)),
+        [None] * 2,
+        bf16,
+    ),
+]
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize(("make", "rules", "kept", "dtype"), SEPARATE_PARITY)
+def test_wrap_separate_units_trains_like_the_mapped_plan(make, rules, kept, dtype) -> None:
+    from fsdp_precision import testing
+    from fsdp_precision._separate import separate_layout
+
+    torch.manual_seed(0)
+    ours = make()
+    plan = compile_param_dtype_maps(ours, PrecisionRules(**rules), net_units(ours))
+    layout = separate_layout(plan)
+    assert [u.policy.param_dtype for u in layout if u.kept] == kept
+    assert all(not u.policy.cast_forward_inputs for u in layout if u.kept)
+    reference = testing.wrap_separate_units(copy.deepcopy(ours), plan)
+    plan.apply()
+    train_in_lockstep([ours, reference], steps=2, make_input=lambda step: inputs(step).to(dtype))
+
+
+def test_wrap_separate_units_needs_the_planned_structure() -> None:
+    model = Net()
+    plan = plan_of(model, Glob("*gate.weight"))
+    from fsdp_precision.testing import wrap_separate_units
+
+    with pytest.raises(ValueError, match=r"model does not have the planned model's parameters"):
+        wrap_separate_units(Net(depth=3), plan)
