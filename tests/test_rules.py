@@ -165,9 +165,27 @@ def test_claims_are_keyed_by_rule_identity() -> None:
     assert by_fqn["head.weight"].claimed_by is None and not by_fqn["head.weight"].kept
     assert [c.rule for c in plan.claims] == [a, b]
     assert plan.rule_claims == {
-        "class LayerNorm ['weight']": ["blocks.0.norm.weight", "blocks.1.norm.weight", "norm.weight"],
+        "class LayerNorm ['weight']": [
+            "blocks.0.norm.weight",
+            "blocks.1.norm.weight",
+            "norm.weight",
+        ],
         "class LayerNorm": ["blocks.0.norm.bias", "blocks.1.norm.bias", "norm.bias"],
     }
+
+
+def test_report_labels_tell_rules_with_the_same_pattern_apart() -> None:
+    from fsdp_precision._records import RuleClaims
+    from fsdp_precision._report import claim_labels
+
+    a, b, c = Glob("x"), Glob("x", fp16), Glob("y")
+    claims = [RuleClaims(r, (), declared=False) for r in (a, b, c, a)]
+    assert [label for label, _ in claim_labels(claims)] == [
+        "glob 'x' -> float32 (#0)",
+        "glob 'x' -> float16",
+        "glob 'y'",
+        "glob 'x' -> float32 (#3)",
+    ]
 
 
 def test_bad_rules_rejected_at_construction() -> None:

@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision import (
-    PrecisionPlan,
     DistributedConfig,
     Glob,
     ModuleClass,
+    PrecisionPlan,
     PrecisionRules,
     auto_wrap_units,
     compile_param_dtype_maps,

@@ -24,6 +24,7 @@ from ._checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
+from ._compile import compile_param_dtype_maps, default_units
 from ._config import PRESETS, DistributedConfig
 from ._dtypes import MAPPABLE_DTYPES
 from ._errors import (
@@ -40,7 +41,6 @@ from ._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
-from ._compile import compile_param_dtype_maps, default_units
 from ._policy import ParamDtypeMixedPrecisionPolicy
 from ._records import PlannedParam, PlannedUnit, PrecisionPlan
 from ._rules import Glob, ModuleClass, PrecisionRules

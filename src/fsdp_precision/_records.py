@@ -187,7 +187,7 @@ class PrecisionPlan:
         """
         from torch.distributed.fsdp import fully_shard
 
-        kwargs = self.fsdp_kwargs(fully_shard_kwargs)
+        kwargs = checked_kwargs(self, fully_shard_kwargs)
         if any(u.param_dtype_map for u in self.units):
             from fsdp_precision._patch import apply_param_dtype_map_patch
 
@@ -196,26 +196,6 @@ class PrecisionPlan:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)
         return self.model
-
-    def fsdp_kwargs(self, fully_shard_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """``fully_shard_kwargs`` with the plan's knobs, checked against them."""
-        kwargs = dict(fully_shard_kwargs)
-        given = kwargs.setdefault("reshard_after_forward", self.reshard_after_forward)
-        planned = self.reshard_after_forward
-        if (type(given), given) != (type(planned), planned):
-            raise ValueError(
-                f"fully_shard_kwargs reshard_after_forward={given!r} contradicts the plan's "
-                f"reshard_after_forward={self.reshard_after_forward!r}, which its collective "
-                f"counts assume; compile the plan with reshard_after_forward={given!r} instead"
-            )
-        mesh = kwargs.get("mesh")
-        two_d = mesh is not None and mesh.ndim == 2
-        if two_d != self.hsdp:
-            raise ValueError(
-                f"the plan was compiled with hsdp={self.hsdp} but the mesh is "
-                f"{'2-D' if two_d else '1-D'}; compile it with hsdp={two_d}"
-            )
-        return kwargs
 
     # ----------------------------------------------------------------- reporting
 
@@ -251,3 +231,24 @@ class PrecisionPlan:
 
         return explain(self, max_params=max_params)
 
+
+def checked_kwargs(plan: PrecisionPlan, fully_shard_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``fully_shard_kwargs`` with the plan's ``reshard_after_forward``, checked against the
+    knobs the plan was compiled for (``ValueError`` naming the fix)."""
+    kwargs = dict(fully_shard_kwargs)
+    given = kwargs.setdefault("reshard_after_forward", plan.reshard_after_forward)
+    planned = plan.reshard_after_forward
+    if (type(given), given) != (type(planned), planned):
+        raise ValueError(
+            f"fully_shard_kwargs reshard_after_forward={given!r} contradicts the plan's "
+            f"reshard_after_forward={planned!r}, which its collective counts assume; compile "
+            f"the plan with reshard_after_forward={given!r} instead"
+        )
+    mesh = kwargs.get("mesh")
+    two_d = mesh is not None and mesh.ndim == 2
+    if two_d != plan.hsdp:
+        raise ValueError(
+            f"the plan was compiled with hsdp={plan.hsdp} but the mesh is "
+            f"{'2-D' if two_d else '1-D'}; compile it with hsdp={two_d}"
+        )
+    return kwargs

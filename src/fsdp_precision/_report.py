@@ -23,12 +23,16 @@ def claim_labels(claims: Iterable[RuleClaims]) -> list[tuple[str, RuleClaims]]:
     """A distinct display label per rule: its label, with its dtype (and position) if needed."""
     claims = list(claims)
     plain = [rule_label(c.rule) for c in claims]
-    typed = [f"{label} -> {dtype_name(c.rule.dtype)}" for label, c in zip(plain, claims, strict=True)]
-    labels = [
-        plain[i] if plain.count(plain[i]) == 1 else typed[i] if typed.count(typed[i]) == 1 else
-        f"{typed[i]} (#{i})"
-        for i in range(len(claims))
+    typed = [
+        f"{label} -> {dtype_name(c.rule.dtype)}" for label, c in zip(plain, claims, strict=True)
     ]
+
+    def label(i: int) -> str:
+        if plain.count(plain[i]) == 1:
+            return plain[i]
+        return typed[i] if typed.count(typed[i]) == 1 else f"{typed[i]} (#{i})"
+
+    labels = [label(i) for i in range(len(claims))]
     return list(zip(labels, claims, strict=True))
 
 

@@ -8,6 +8,9 @@ Rules state intent ("norms in fp32"); :func:`compile_param_dtype_maps` turns the
 2. then the model's own keep-in-fp32 declarations (Hugging Face transformers or Diffusers), when
    ``PrecisionRules.hf_keep_in_fp32`` is true, matched with the installed library's semantics;
 3. every other parameter computes in ``PrecisionRules.param_dtype``.
+
+A user rule that matches nothing is an error, and so is one whose every match earlier user rules
+took (fully shadowed); a declaration shadowed by user rules is ordinary precedence.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_precision._compile import Targets, UnitSpec, build_units
 from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
-from fsdp_precision._records import PlannedParam, PrecisionPlan
+from fsdp_precision._records import PlannedParam, PrecisionPlan, checked_kwargs
 
 __all__ = ["SeparateUnit", "separate_layout", "separate_units_plan", "wrap_separate_units"]
 
@@ -72,7 +72,9 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
         if module in owners:
             continue
         prefix = f"{module}." if module else ""
-        others = [f[len(prefix) :] for f in by_name if _inside([module], f) and kept.get(f) != dtype]
+        others = [
+            f[len(prefix) :] for f in by_name if _inside([module], f) and kept.get(f) != dtype
+        ]
         if others:
             claim = f"({by_name[fqn].rule} -> {dtype_name(dtype)})"
             listed = f"{others[:5]}{' ...' if len(others) > 5 else ''}"
@@ -189,7 +191,7 @@ def wrap_separate_units(
             f"model does not have the planned model's parameters (differing: {diff}); pass a "
             "copy of plan.model made before wrapping (copy.deepcopy)"
         )
-    kwargs = separate.fsdp_kwargs(fully_shard_kwargs)
+    kwargs = checked_kwargs(separate, fully_shard_kwargs)
     names = {id(m): n for n, m in plan.model.named_modules(remove_duplicate=False)}
     for unit in separate.units:
         mods = [model.get_submodule(names[id(m)]) for m in unit.modules]

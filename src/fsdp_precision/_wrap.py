@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_precision._config import DistributedConfig
 from fsdp_precision._compile import compile_param_dtype_maps
+from fsdp_precision._config import DistributedConfig
 from fsdp_precision._records import PrecisionPlan
 
 __all__ = [
