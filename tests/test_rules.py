@@ -188,6 +188,32 @@ def test_report_labels_tell_rules_with_the_same_pattern_apart() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (dict(world_size=0), r"world_size must be an integer >= 1, got 0"),
+        (
+            dict(world_size=4, reshard_after_forward=3),
+            r"reshard_after_forward must be None, True, False or an integer that divides "
+            r"world_size=4 .*, got 3",
+        ),
+        (dict(hsdp="yes"), r"hsdp must be True or False, got 'yes'"),
+    ],
+)
+def test_fsdp_knobs_are_validated(knobs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        model = Net()
+        compile_param_dtype_maps(model, PrecisionRules(), net_units(model), **knobs)
+
+
+def test_apply_refuses_a_mesh_the_plan_does_not_count() -> None:
+    model = Net()
+    plan = compile_param_dtype_maps(model, PrecisionRules(), net_units(model), hsdp=True)
+    assert plan.totals()["all_reduces_per_step"] == 3
+    with pytest.raises(ValueError, match=r"compiled with hsdp=True but the mesh is 1-D"):
+        plan.apply()
+
+
 def test_bad_rules_rejected_at_construction() -> None:
     with pytest.raises(ValueError, match=r"rules\[0\] must be a Glob or ModuleClass, got '\*norm'"):
         PrecisionRules(rules=("*norm",))  # type: ignore[arg-type]

@@ -18,6 +18,12 @@ from _harness import collect_cases, distributed_suite
 from _models import clones, inputs, local, loss_of, net, train_in_lockstep
 
 KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
+HSDP_2X2 = DistributedConfig(
+    parallel_strategy="hsdp",
+    hsdp_replicate_size=2,
+    fsdp_auto_wrap_min_params=900,
+    precision_rules=KEEP,
+)
 
 
 def case_fsdp_1x4() -> None:
@@ -33,12 +39,7 @@ def case_fsdp_1x4() -> None:
 
 
 def case_hsdp_2x2() -> None:
-    config = DistributedConfig(
-        parallel_strategy="hsdp",
-        hsdp_replicate_size=2,
-        fsdp_auto_wrap_min_params=900,
-        precision_rules=KEEP,
-    )
+    config = HSDP_2X2
     model = wrap_model_for_training(net(), config)
     weight = model.blocks[0].up.weight
     assert isinstance(weight, DTensor) and weight.device_mesh.shape == (2, 2)
@@ -60,12 +61,7 @@ def case_hsdp_2x2() -> None:
 def case_hsdp_counts_the_all_reduce_across_replicas() -> None:
     from test_wrap import planned_step, recorded_step
 
-    config = DistributedConfig(
-        parallel_strategy="hsdp",
-        hsdp_replicate_size=2,
-        fsdp_auto_wrap_min_params=900,
-        precision_rules=KEEP,
-    )
+    config = HSDP_2X2
     model = net()
     plan = plan_model_for_training(model, config)
     assert plan.hsdp and plan.world_size == 2
