@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from fsdp_precision import (
     hf,
 )
 
-from _models import Net, bf16, clones, fp16, fp32, train_in_lockstep
+from _models import Net, bf16, clones, fp16, fp32, inputs, train_in_lockstep
 
 transformers = pytest.importorskip("transformers")
 TF_MAJOR = int(transformers.__version__.split(".")[0])
@@ -115,6 +118,102 @@ def test_rule_matching_nothing_is_an_error(rule, message) -> None:
         plan_of(Net(), rule)
 
 
+SHADOWED = [
+    (  # same pattern, another dtype: used to share one claims entry and pass silently
+        (Glob("*norm.weight"), Glob("*norm.weight", fp16)),
+        r"precision rule glob '\*norm\.weight' -> float16 \(rules\[1\]\) claims no parameter: "
+        r"every parameter it matches \(3, e\.g\. 'blocks\.0\.norm\.weight'\) was claimed first "
+        r"by rules\[0\] glob '\*norm\.weight' -> float32 \(first match wins\)\. Remove it, or "
+        r"move it before the rule\(s\) it should override",
+    ),
+    (  # taken by two earlier rules together
+        (Glob("*norm.weight"), Glob("*norm.bias"), ModuleClass(nn.LayerNorm, bf16)),
+        r"precision rule class LayerNorm -> bfloat16 \(rules\[2\]\) claims no parameter: every "
+        r"parameter it matches \(6, e\.g\. 'blocks\.0\.norm\.weight'\) was claimed first by "
+        r"rules\[0\] glob '\*norm\.weight' -> float32, rules\[1\] glob '\*norm\.bias' -> float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(("rules", "message"), SHADOWED)
+def test_rule_fully_shadowed_by_earlier_rules_is_an_error(rules, message) -> None:
+    with pytest.raises(ParamDtypeMapError, match=message):
+        plan_of(Net(), *rules)
+
+
+def test_partly_shadowed_rule_and_shadowed_declarations_are_precedence() -> None:
+    # Negative control: a rule that keeps at least one parameter is ordinary precedence.
+    norms, narrow = Glob("blocks.*norm.weight"), Glob("*norm.weight", fp16)
+    plan = plan_of(Net(), norms, narrow)
+    claims = {c.rule: c.fqns for c in plan.claims}
+    assert claims[narrow] == ("norm.weight",)
+    # A model declaration that user rules shadow is precedence too: reported, not refused.
+    from _hf_models import t5
+
+    model = t5()
+    wo = Glob("*wo.weight", fp32)
+    plan = compile_param_dtype_maps(model, PrecisionRules(param_dtype=fp16, rules=(wo,)))
+    (decl,) = [c for c in plan.claims if c.declared]
+    assert decl.fqns == () and "_keep_in_fp32_modules 'wo': 0 parameters" in plan.explain()
+
+
+def test_claims_are_keyed_by_rule_identity() -> None:
+    a, b = ModuleClass(nn.LayerNorm, params=("weight",)), ModuleClass(nn.LayerNorm, fp16)
+    plan = plan_of(Net(), a, b)
+    by_fqn = {p.fqn: p for u in plan.units for p in u.params}
+    assert by_fqn["norm.weight"].claimed_by is a and by_fqn["norm.bias"].claimed_by is b
+    assert by_fqn["head.weight"].claimed_by is None and not by_fqn["head.weight"].kept
+    assert [c.rule for c in plan.claims] == [a, b]
+    assert plan.rule_claims == {
+        "class LayerNorm ['weight']": [
+            "blocks.0.norm.weight",
+            "blocks.1.norm.weight",
+            "norm.weight",
+        ],
+        "class LayerNorm": ["blocks.0.norm.bias", "blocks.1.norm.bias", "norm.bias"],
+    }
+
+
+def test_report_labels_tell_rules_with_the_same_pattern_apart() -> None:
+    from fsdp_precision._records import RuleClaims
+    from fsdp_precision._report import claim_labels
+
+    a, b, c = Glob("x"), Glob("x", fp16), Glob("y")
+    claims = [RuleClaims(r, (), declared=False) for r in (a, b, c, a)]
+    assert [label for label, _ in claim_labels(claims)] == [
+        "glob 'x' -> float32 (#0)",
+        "glob 'x' -> float16",
+        "glob 'y'",
+        "glob 'x' -> float32 (#3)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (dict(world_size=0), r"world_size must be an integer >= 1, got 0"),
+        (
+            dict(world_size=4, reshard_after_forward=3),
+            r"reshard_after_forward must be None, True, False or an integer that divides "
+            r"world_size=4 .*, got 3",
+        ),
+        (dict(hsdp="yes"), r"hsdp must be True or False, got 'yes'"),
+    ],
+)
+def test_fsdp_knobs_are_validated(knobs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        model = Net()
+        compile_param_dtype_maps(model, PrecisionRules(), net_units(model), **knobs)
+
+
+def test_apply_refuses_a_mesh_the_plan_does_not_count() -> None:
+    model = Net()
+    plan = compile_param_dtype_maps(model, PrecisionRules(), net_units(model), hsdp=True)
+    assert plan.totals()["all_reduces_per_step"] == 3
+    with pytest.raises(ValueError, match=r"compiled with hsdp=True but the mesh is 1-D"):
+        plan.apply()
+
+
 def test_bad_rules_rejected_at_construction() -> None:
     with pytest.raises(ValueError, match=r"rules\[0\] must be a Glob or ModuleClass, got '\*norm'"):
         PrecisionRules(rules=("*norm",))  # type: ignore[arg-type]
@@ -197,27 +296,79 @@ class Owned(nn.Module):
         self.lin = nn.Linear(8, 8)
 
 
-def test_split_strategy_fail_closed_layouts() -> None:
+class Nested(nn.Module):
+    """A norm holding a child linear: the norm's own unit would take the child's weight too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.norm.proj = nn.Linear(8, 8)
+        self.lin = nn.Linear(8, 8)
+
+
+SEPARATE_REFUSALS = [
+    (
+        Owned,
+        (Glob("table"),),
+        r"separate units cannot express this plan: kept parameter 'table' \(glob 'table' -> "
+        r"float32\) sits directly on the root, which also holds \['extras\.scale', "
+        r"'extras\.shift', 'lin\.weight', 'lin\.bias'\] in other dtypes",
+    ),
+    (
+        Owned,
+        (Glob("extras.scale"),),
+        r"module 'extras' owns kept 'extras\.scale' \(glob 'extras\.scale' -> float32\) and "
+        r"\['shift'\] in other dtypes; a unit has one param_dtype, so keep the whole module\. "
+        r"Use strategy='patch'",
+    ),
+    (  # kept in two dtypes inside one module
+        Owned,
+        (Glob("extras.scale"), Glob("extras.shift", fp16)),
+        r"module 'extras' owns kept 'extras\.scale' .* and \['shift'\] in other dtypes",
+    ),
+    (  # new with the shared layout: a descendant that is not kept
+        Nested,
+        (Glob("norm.weight"), Glob("norm.bias")),
+        r"module 'norm' owns kept 'norm\.weight' .* and \['proj\.weight', 'proj\.bias'\] in "
+        r"other dtypes",
+    ),
+    (
+        Owned,
+        (Glob("extras.*"),),
+        r"kept 'extras\.scale' sits in the container 'extras' \(ParameterDict\), which nobody "
+        r"calls",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "rules", "message"), SEPARATE_REFUSALS)
+def test_split_strategy_fail_closed_layouts(make, rules, message) -> None:
+    model = make()
+    with pytest.raises(ParamDtypeMapError, match=message):
+        compile_param_dtype_maps(model, PrecisionRules(rules=rules, strategy="split"), [model])
+    # The same plan under the patch: one unit, exact map; the separate-units estimate says why.
+    plan = compile_param_dtype_maps(model, PrecisionRules(rules=rules), [model])
+    alt = plan.alternatives()["separate_fp32_units"]
+    assert alt["units"] is None and re.search(message, alt["note"])
+    assert "separate fp32 units:  not possible: separate units cannot express" in plan.explain()
+
+
+def test_split_strategy_kept_in_a_third_dtype_gets_that_param_dtype() -> None:
+    # Was refused before separate units were one layout ("kept in float16 but stored in
+    # float32"): the module now gets its own unit with param_dtype=float16, no input cast.
     model = Owned()
-    with pytest.raises(
-        ParamDtypeMapError, match=r"kept parameter 'table' .* sits directly on the root"
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(Glob("table"),), strategy="split"), [model]
-        )
-    with pytest.raises(
-        ParamDtypeMapError,
-        match=r"module 'extras' owns kept 'extras\.scale' and non-kept \['shift'\]",
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(Glob("extras.scale"),), strategy="split"), [model]
-        )
-    with pytest.raises(
-        ParamDtypeMapError, match=r"'lin\.weight' is kept in float16 but stored in float32"
-    ):
-        compile_param_dtype_maps(
-            model, PrecisionRules(rules=(ModuleClass(nn.Linear, fp16),), strategy="split"), [model]
-        )
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(ModuleClass(nn.Linear, fp16),), strategy="split"), [model]
+    )
+    (child,) = [u for u in plan.units if u.split_child]
+    assert child.name == "lin" and child.policy.param_dtype == fp16
+    assert child.policy.cast_forward_inputs is False
+    assert {p.fqn: p.compute for p in child.params} == {"lin.weight": fp16, "lin.bias": fp16}
+    # Stored in the kept dtype: param_dtype=None (the activation boundary does not move).
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(ModuleClass(nn.Linear),), strategy="split"), [model]
+    )
+    assert [u.policy.param_dtype for u in plan.units if u.split_child] == [None]
 
 
 # ---------------------------------------------------------------------- plans, explain, JSON
@@ -245,6 +396,7 @@ def test_explain_and_json_report_units_bytes_and_alternatives() -> None:
         "units": 3,
         "all_gathers_per_step": 5,
         "reduce_scatters_per_step": 3,
+        "all_reduces_per_step": 0,
         "all_gather_bytes_per_step": data["totals"]["all_gather_bytes_per_step"],
     }
     alt = data["alternatives"]["separate_fp32_units"]
@@ -404,9 +556,76 @@ def test_split_strategy_matches_the_patched_plan_bitwise() -> None:
     wrong = compile_param_dtype_maps(
         wrong_model, PrecisionRules(rules=rules, strategy="split"), net_units(wrong_model)
     )
-    for unit in wrong.units:
-        if unit.split_child:
-            unit.policy = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32)
+    fp32_children = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32)
+    wrong = replace(
+        wrong,
+        units=tuple(replace(u, policy=fp32_children) if u.split_child else u for u in wrong.units),
+    )
     wrong.apply()
     with pytest.raises(RuntimeError, match="must have the same dtype, but got Float and BFloat16"):
         train_in_lockstep([patch_model, wrong_model], steps=1)
+
+
+class CastingRouter(nn.Linear):
+    """Casts its input to its own (gathered) weight's dtype, and the result back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16)])  # so that net_units() applies
+        self.router = CastingRouter(16, 4, bias=False)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        return self.head(h) * self.router(h).softmax(-1).mean(-1, keepdim=True)
+
+
+def _bf16_net_with_fp32_gates() -> nn.Module:
+    model = Net().to(bf16)
+    for block in model.blocks:
+        block.gate.float()
+    return model
+
+
+SEPARATE_PARITY = [
+    # (model, rules, kept units and their param_dtype, input dtype)
+    (Net, dict(rules=(ModuleClass(nn.LayerNorm), Glob("*gate.weight"))), [None] * 5, fp32),
+    (Routed, dict(rules=(Glob("router.weight", fp16),)), [fp16], fp32),  # a third dtype
+    (  # stored in bf16 with fp32 gates (what from_pretrained gives), storage dtypes kept
+        _bf16_net_with_fp32_gates,
+        dict(param_dtype=None, rules=(Glob("*gate.weight"),)),
+        [None] * 2,
+        bf16,
+    ),
+]
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize(("make", "rules", "kept", "dtype"), SEPARATE_PARITY)
+def test_wrap_separate_units_trains_like_the_mapped_plan(make, rules, kept, dtype) -> None:
+    from fsdp_precision import testing
+    from fsdp_precision._separate import separate_layout
+
+    torch.manual_seed(0)
+    ours = make()
+    plan = compile_param_dtype_maps(ours, PrecisionRules(**rules), net_units(ours))
+    layout = separate_layout(plan)
+    assert [u.policy.param_dtype for u in layout if u.kept] == kept
+    assert all(not u.policy.cast_forward_inputs for u in layout if u.kept)
+    reference = testing.wrap_separate_units(copy.deepcopy(ours), plan)
+    plan.apply()
+    train_in_lockstep([ours, reference], steps=2, make_input=lambda step: inputs(step).to(dtype))
+
+
+def test_wrap_separate_units_needs_the_planned_structure() -> None:
+    model = Net()
+    plan = plan_of(model, Glob("*gate.weight"))
+    from fsdp_precision.testing import wrap_separate_units
+
+    with pytest.raises(ValueError, match=r"model does not have the planned model's parameters"):
+        wrap_separate_units(Net(depth=3), plan)

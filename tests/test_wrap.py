@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +17,10 @@ from fsdp_precision import (
     DistributedConfig,
     Glob,
     ModuleClass,
+    PrecisionPlan,
+    PrecisionRules,
     auto_wrap_units,
+    compile_param_dtype_maps,
     make_grad_scaler,
     plan_model_for_training,
     wrap_model_for_training,
@@ -174,7 +179,8 @@ def test_all_kept_unit_does_not_cast_its_inputs(force_cast: bool) -> None:
     assert pre_unit.name == "pre" and pre_unit.policy.cast_forward_inputs is False
     assert plan.units[-1].policy.cast_forward_inputs is True
     if force_cast:  # what a unit policy with cast_forward_inputs=True would do
-        pre_unit.policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        forced = replace(pre_unit, policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+        plan = replace(plan, units=(forced, *plan.units[1:]))
     seen: list[torch.dtype] = []
     model.pre.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
     plan.apply()
@@ -231,11 +237,55 @@ def case_fsdp_matches_manual_mapped_wrap() -> None:
     assert ours.blocks[0].up.weight.device_mesh.shape == (dist.get_world_size(),)
 
 
-def case_collectives_per_step_match_the_plan() -> None:
-    # The root keeps its parameters for backward when resharding is on (torch's default): the
-    # plan counts one all-gather for it. Forcing True on the root would cost one more per step.
+def recorded_step(model: nn.Module) -> tuple[int, int, int]:
+    """(all-gathers, reduce-scatters, all-reduces) of one forward+backward, after a first one
+    (which also lazily initialises FSDP)."""
     from fsdp_precision._observe import CollectiveRecorder
 
+    loss_of(model(inputs(0))).backward()
+    with CollectiveRecorder() as rec:
+        loss_of(model(inputs(1))).backward()
+    return rec.count("all_gather"), rec.count("reduce_scatter"), rec.count("all_reduce")
+
+
+def planned_step(totals: dict[str, int]) -> tuple[int, int, int]:
+    return (
+        totals["all_gathers_per_step"],
+        totals["reduce_scatters_per_step"],
+        totals["all_reduces_per_step"],
+    )
+
+
+#: reshard_after_forward as fully_shard takes it: None (every unit but the root), True (the root
+#: too), False (none); on 2 ranks the integer 1 means False and 2 means True.
+RESHARD = [None, True, False, 1, 2]
+
+
+def compiled(model: nn.Module, reshard: bool | int | None) -> PrecisionPlan:
+    return compile_param_dtype_maps(
+        model,
+        PrecisionRules(rules=KEEP),
+        auto_wrap_units(model, 900),
+        world_size=dist.get_world_size(),
+        reshard_after_forward=reshard,
+    )
+
+
+def case_collectives_follow_reshard_after_forward() -> None:
+    gathers = []
+    for reshard in RESHARD:
+        model = net()
+        plan = compiled(model, reshard)
+        planned = planned_step(plan.totals())
+        plan.apply()
+        assert recorded_step(model) == planned, (reshard, planned)
+        gathers.append(planned[0])
+    # The knob changes the counts (the root's backward all-gather, then every unit's).
+    units = len(plan.units)
+    assert gathers == [2 * units - 1, 2 * units, units, units, 2 * units]
+
+
+def case_wrap_logs_the_collectives_it_makes() -> None:
     for reshard in (True, False):
         model = net()
         config = DistributedConfig(
@@ -244,14 +294,32 @@ def case_collectives_per_step_match_the_plan() -> None:
             fsdp_reshard_after_forward=reshard,
         )
         plan = plan_model_for_training(model, config)
+        assert plan.reshard_after_forward is (None if reshard else False)
         wrap_model_for_training(model, config)
-        loss_of(model(inputs(0))).backward()  # the first step also lazily initialises FSDP
-        with CollectiveRecorder() as rec:
-            loss_of(model(inputs(1))).backward()
-        units = len(plan.units)
-        expected = plan.totals()["all_gathers_per_step"] if reshard else units
-        assert rec.count("all_gather") == expected, (reshard, rec.count("all_gather"), expected)
-        assert rec.count("reduce_scatter") == units
+        assert recorded_step(model) == planned_step(plan.totals()), reshard
+
+
+def case_alternatives_count_the_separate_units_step() -> None:
+    from fsdp_precision.testing import wrap_separate_units
+
+    for reshard in RESHARD:
+        model = net()
+        plan = compiled(model, reshard)
+        separate = plan.alternatives()["separate_fp32_units"]
+        reference = wrap_separate_units(copy.deepcopy(model), plan)
+        assert recorded_step(reference) == planned_step(separate), (reshard, separate)
+        assert separate["units"] == plan.totals()["units"] + 5  # norm and gate per block, norm
+
+
+def case_apply_refuses_knobs_the_plan_does_not_count() -> None:
+    model = net()
+    plan = compiled(model, None)
+    with pytest.raises(
+        ValueError,
+        match=r"reshard_after_forward=False contradicts the plan's reshard_after_forward=None",
+    ):
+        plan.apply(reshard_after_forward=False)
+    assert not isinstance(model.head.weight, DTensor)  # nothing was wrapped
 
 
 def case_cpu_offload_trains_like_no_offload() -> None:

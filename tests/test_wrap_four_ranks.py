@@ -7,12 +7,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
+from fsdp_precision import (
+    DistributedConfig,
+    Glob,
+    plan_model_for_training,
+    wrap_model_for_training,
+)
 
 from _harness import collect_cases, distributed_suite
 from _models import clones, inputs, local, loss_of, net, train_in_lockstep
 
 KEEP = (Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight"))
+HSDP_2X2 = DistributedConfig(
+    parallel_strategy="hsdp",
+    hsdp_replicate_size=2,
+    fsdp_auto_wrap_min_params=900,
+    precision_rules=KEEP,
+)
 
 
 def case_fsdp_1x4() -> None:
@@ -28,12 +39,7 @@ def case_fsdp_1x4() -> None:
 
 
 def case_hsdp_2x2() -> None:
-    config = DistributedConfig(
-        parallel_strategy="hsdp",
-        hsdp_replicate_size=2,
-        fsdp_auto_wrap_min_params=900,
-        precision_rules=KEEP,
-    )
+    config = HSDP_2X2
     model = wrap_model_for_training(net(), config)
     weight = model.blocks[0].up.weight
     assert isinstance(weight, DTensor) and weight.device_mesh.shape == (2, 2)
@@ -50,6 +56,19 @@ def case_hsdp_2x2() -> None:
     dist.all_gather(peers, shard, group=replicate)
     assert torch.equal(peers[0], peers[1])
     assert model.blocks[0].gate.weight.dtype == torch.float32
+
+
+def case_hsdp_counts_the_all_reduce_across_replicas() -> None:
+    from test_wrap import planned_step, recorded_step
+
+    config = HSDP_2X2
+    model = net()
+    plan = plan_model_for_training(model, config)
+    assert plan.hsdp and plan.world_size == 2
+    wrap_model_for_training(model, config)
+    recorded = recorded_step(model)
+    assert recorded == planned_step(plan.totals()), recorded
+    assert recorded[2] == len(plan.units)  # one all-reduce per trainable unit
 
 
 def case_hsdp_replicas_must_divide_world() -> None:

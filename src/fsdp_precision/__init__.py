@@ -24,6 +24,7 @@ from ._checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
+from ._compile import compile_param_dtype_maps, default_units
 from ._config import PRESETS, DistributedConfig
 from ._dtypes import MAPPABLE_DTYPES
 from ._errors import (
@@ -40,8 +41,8 @@ from ._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
-from ._plan import PlannedParam, PlannedUnit, PrecisionPlan, compile_param_dtype_maps, default_units
 from ._policy import ParamDtypeMixedPrecisionPolicy
+from ._records import PlannedParam, PlannedUnit, PrecisionPlan
 from ._rules import Glob, ModuleClass, PrecisionRules
 from ._wrap import (
     auto_wrap_units,

@@ -8,6 +8,9 @@ Rules state intent ("norms in fp32"); :func:`compile_param_dtype_maps` turns the
 2. then the model's own keep-in-fp32 declarations (Hugging Face transformers or Diffusers), when
    ``PrecisionRules.hf_keep_in_fp32`` is true, matched with the installed library's semantics;
 3. every other parameter computes in ``PrecisionRules.param_dtype``.
+
+A user rule that matches nothing is an error, and so is one whose every match earlier user rules
+took (fully shadowed); a declaration shadowed by user rules is ordinary precedence.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn as nn
 
 from fsdp_precision._dtypes import check_mappable_dtype, dtype_name
 
-__all__ = ["Glob", "ModuleClass", "PrecisionRules", "Rule"]
+__all__ = ["AnyRule", "DeclaredRule", "Glob", "ModuleClass", "PrecisionRules", "Rule", "rule_label"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,15 @@ class DeclaredRule:
 
     def __str__(self) -> str:
         return f"{self.source} {self.pattern!r}"
+
+
+#: Anything that can claim a parameter: a user rule or a model declaration.
+AnyRule = Glob | ModuleClass | DeclaredRule
+
+
+def rule_label(rule: AnyRule | None) -> str:
+    """Display label of a rule (``"default"`` for ``None``: no rule claimed the parameter)."""
+    return "default" if rule is None else str(rule)
 
 
 @dataclass(frozen=True, kw_only=True)

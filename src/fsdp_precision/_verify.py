@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,7 +277,7 @@ def _observe_gathers(plan: PrecisionPlan) -> Iterator[dict[str, _Gathered]]:
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     seen: dict[str, _Gathered] = {}
 
-    def hook_for(prefix: str, params: list[PlannedParam]) -> Callable[..., None]:
+    def hook_for(prefix: str, params: Sequence[PlannedParam]) -> Callable[..., None]:
         from torch.distributed.tensor import DTensor
 
         mine = [p for p in params if not prefix or p.fqn.startswith(prefix + ".")]

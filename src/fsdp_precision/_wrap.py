@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_precision._compile import compile_param_dtype_maps
 from fsdp_precision._config import DistributedConfig
-from fsdp_precision._plan import PrecisionPlan, compile_param_dtype_maps
+from fsdp_precision._records import PrecisionPlan
 
 __all__ = [
     "auto_wrap_units",
@@ -91,14 +92,29 @@ def auto_wrap_units(model: nn.Module, min_params: int) -> list[nn.Module]:
 def plan_model_for_training(
     model: nn.Module, config: DistributedConfig, *, world_size: int | None = None
 ) -> PrecisionPlan:
-    """The units and exact precision maps ``wrap_model_for_training`` would use, unapplied."""
+    """The units and exact precision maps ``wrap_model_for_training`` would use, unapplied.
+
+    Its collective counts follow the config's knobs: ``fsdp_reshard_after_forward`` (``True`` is
+    torch's ``reshard_after_forward=None``: every unit but the root; ``False``: none) and the
+    all-reduce across replicas of ``"hsdp"``.
+    """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     units = auto_wrap_units(model, config.fsdp_auto_wrap_min_params)
     shard = world_size
-    if config.parallel_strategy == "hsdp" and config.hsdp_replicate_size:
+    hsdp = config.parallel_strategy == "hsdp"
+    if hsdp and config.hsdp_replicate_size:
         shard = max(1, world_size // config.hsdp_replicate_size)
-    return compile_param_dtype_maps(model, config.precision(), units, world_size=shard)
+    return compile_param_dtype_maps(
+        model,
+        config.precision(),
+        units,
+        world_size=shard,
+        # None is torch's heuristic for True: every unit but the root, whose parameters backward
+        # needs first. An explicit True would re-gather the root in backward.
+        reshard_after_forward=None if config.fsdp_reshard_after_forward else False,
+        hsdp=hsdp,
+    )
 
 
 def _device() -> torch.device:
@@ -174,13 +190,8 @@ def wrap_model_for_training(
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     plan = plan_model_for_training(model, config)
-    kwargs: dict[str, Any] = {
-        "mesh": _mesh(config, device),
-        # None is torch's heuristic for True: every unit but the root, whose parameters backward
-        # needs first. An explicit True would re-gather the root in backward (one more
-        # all-gather per step than the plan counts).
-        "reshard_after_forward": None if config.fsdp_reshard_after_forward else False,
-    }
+    # The plan passes its reshard_after_forward (from the config) to every call.
+    kwargs: dict[str, Any] = {"mesh": _mesh(config, device)}
     if config.fsdp_cpu_offload:
         # Pinned host memory needs an accelerator; on CPU-only runs there is nothing to pin.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
@@ -190,11 +201,13 @@ def wrap_model_for_training(
     if dist.get_rank() == 0:
         totals = plan.totals()
         logger.info(
-            "wrapped %s: %d FSDP units, %d all-gathers and %d reduce-scatters per step",
+            "wrapped %s: %d FSDP units, %d all-gathers, %d reduce-scatters and %d all-reduces "
+            "per step",
             type(model).__name__,
             totals["units"],
             totals["all_gathers_per_step"],
             totals["reduce_scatters_per_step"],
+            totals["all_reduces_per_step"],
         )
     if on_meta:
         _fill_from_rank0(model, full_state_dict or {}, device, config.fsdp_cpu_offload)

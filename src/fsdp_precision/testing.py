@@ -8,4 +8,6 @@ reduce-scatter, with dtype and bytes) and typed results gathered across ranks.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from fsdp_precision._separate import wrap_separate_units
+
+__all__: list[str] = ["wrap_separate_units"]

@@ -1,0 +1,371 @@
+"""Compile precision rules into one exact map per planned ``fully_shard`` call: the plan.
+
+The plan is computed from the model alone (meta-device models work: only shapes, dtypes and
+structure are read) and validated before anything is wrapped. Every record is built once,
+complete (:mod:`fsdp_precision._records`); ``PrecisionPlan.apply`` then makes the calls in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision import _hf
+from fsdp_precision._dtypes import dtype_name
+from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan, RuleClaims
+from fsdp_precision._rules import AnyRule, DeclaredRule, PrecisionRules, rule_label
+
+__all__ = ["UnitSpec", "build_units", "compile_param_dtype_maps", "default_units"]
+
+#: What ``units`` holds: a module, or a list of modules for a grouped call.
+Unit = nn.Module | Sequence[nn.Module]
+#: Parameter (by ``id``) -> (kept dtype, the rule that claimed it).
+Targets = dict[int, tuple[torch.dtype, AnyRule]]
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One ``fully_shard`` call to build: its modules and, for separate units, its policy.
+
+    ``policy=None`` derives the policy from the rules (an exact map when ``maps``).
+    """
+
+    modules: tuple[nn.Module, ...]
+    policy: MixedPrecisionPolicy | None = None
+    split_child: bool = False
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every module whose class is in ``model._no_split_modules``, then the root."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    return [*blocks, model]
+
+
+def owner_of(model: nn.Module, fqn: str) -> nn.Module:
+    """The module that owns the parameter named ``fqn`` directly."""
+    owner_name = fqn.rpartition(".")[0]
+    return model.get_submodule(owner_name) if owner_name else model
+
+
+def fqns_by_param(model: nn.Module) -> dict[int, list[str]]:
+    """Every parameter (by ``id``) and all its names, in ``named_parameters`` order."""
+    fqns_of: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        fqns_of.setdefault(id(param), []).append(fqn)
+    return fqns_of
+
+
+def compile_param_dtype_maps(
+    model: nn.Module,
+    rules: PrecisionRules,
+    units: Sequence[Unit] | None = None,
+    *,
+    world_size: int = 1,
+    reshard_after_forward: bool | int | None = None,
+    hsdp: bool = False,
+) -> PrecisionPlan:
+    """Compile ``rules`` into one exact map per planned ``fully_shard`` call.
+
+    ``units`` are the modules (or lists of modules, for a grouped call) that will be passed to
+    ``fully_shard``, in the order the calls will be made: innermost first, the root last. Default:
+    :func:`default_units`. Each parameter is claimed by the first unit that manages it.
+    ``world_size`` (shards per unit), ``reshard_after_forward`` (as passed to ``fully_shard``)
+    and ``hsdp`` (a 2-D replicate x shard mesh) shape the collective counts and bytes the plan
+    reports; :meth:`PrecisionPlan.apply` passes the plan's ``reshard_after_forward``.
+
+    Raises :class:`ParamDtypeMapError` (before anything is wrapped) for rules that match nothing,
+    user rules that earlier rules fully shadow, parameters no unit owns, ties across units,
+    degraded kept parameters, grouped calls that cannot express the per-member dtypes, and
+    layouts that separate units (``strategy="split"``) cannot express.
+    """
+    if not isinstance(rules, PrecisionRules):
+        raise TypeError(f"rules must be a PrecisionRules, got {type(rules).__name__}")
+    _check_knobs(world_size, reshard_after_forward, hsdp)
+    specs = list(default_units(model) if units is None else units)
+    if not specs:
+        raise ValueError("units is empty; pass the modules to wrap, the root last")
+
+    fqns_of = fqns_by_param(model)
+    decision_dtype = rules.param_dtype or _majority_dtype(model)
+    decls = tuple(_hf.declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
+    targets, claims = _claim(model, rules, decls, fqns_of)
+    params = {id(p): p for p in model.parameters()}
+    for pid, (kept, rule) in targets.items():
+        _check_not_degraded(fqns_of[pid][0], rule, kept, params[pid].dtype)
+
+    module_names = {id(m) for _, m in model.named_modules(remove_duplicate=False)}
+    spec_modules = [
+        (tuple(s) if isinstance(s, Sequence) and not isinstance(s, nn.Module) else (s,))
+        for s in specs
+    ]
+    for mods in spec_modules:
+        for m in mods:
+            if id(m) not in module_names:
+                raise ParamDtypeMapError(
+                    f"unit module {type(m).__name__} is not a submodule of the model"
+                )
+    split = rules.strategy == "split"
+    planned = build_units(
+        model, rules, [UnitSpec(mods) for mods in spec_modules], targets, maps=not split
+    )
+    plan = PrecisionPlan(
+        model=model,
+        rules=rules,
+        units=planned,
+        declarations=decls,
+        claims=claims,
+        world_size=world_size,
+        reshard_after_forward=reshard_after_forward,
+        hsdp=hsdp,
+    )
+    if not split:
+        return plan
+    from fsdp_precision._separate import separate_units_plan
+
+    return separate_units_plan(plan)
+
+
+def _check_knobs(world_size: object, reshard_after_forward: object, hsdp: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(hsdp, bool):
+        raise ValueError(f"hsdp must be True or False, got {hsdp!r}")
+    rsf = reshard_after_forward
+    if rsf is None or isinstance(rsf, bool):
+        return
+    if not isinstance(rsf, int) or rsf < 1 or world_size % rsf:
+        raise ValueError(
+            f"reshard_after_forward must be None, True, False or an integer that divides "
+            f"world_size={world_size} (the group size to reshard to after forward, as "
+            f"fully_shard takes it), got {rsf!r}"
+        )
+
+
+def _claim(
+    model: nn.Module,
+    rules: PrecisionRules,
+    decls: Sequence[_hf.Declaration],
+    fqns_of: dict[int, list[str]],
+) -> tuple[Targets, tuple[RuleClaims, ...]]:
+    """Each parameter claimed by the first rule that matches any of its names.
+
+    User rules first, in order, then the model's declarations. A user rule that matches nothing,
+    or whose every match an earlier user rule took, is an error; a shadowed declaration is
+    ordinary precedence (``explain()`` shows it with 0 parameters).
+    """
+    declared = [
+        DeclaredRule(source=d.source, pattern=d.pattern, fqns=d.params) for d in decls if d.params
+    ]
+    ordered: list[AnyRule] = [*rules.rules, *declared]
+    owners = {f: owner_of(model, f) for fqns in fqns_of.values() for f in fqns}
+    claimed: list[list[str]] = [[] for _ in ordered]
+    targets: Targets = {}
+    taken_by: dict[int, int] = {}  # parameter -> index of the rule that claimed it
+    for pid, fqns in fqns_of.items():
+        for index, rule in enumerate(ordered):
+            if any(rule.matches(f, owners[f]) for f in fqns):
+                targets[pid] = (rule.dtype, rule)
+                claimed[index].append(fqns[0])
+                taken_by[pid] = index
+                break
+    example = next(iter(owners), "")
+    for index, rule in enumerate(rules.rules):
+        if claimed[index]:
+            continue
+        matched = [
+            pid for pid, fqns in fqns_of.items() if any(rule.matches(f, owners[f]) for f in fqns)
+        ]
+        label = f"precision rule {rule_label(rule)} -> {dtype_name(rule.dtype)}"
+        if not matched:
+            raise ParamDtypeMapError(
+                f"{label} matches no parameter of {type(model).__name__}; patterns match whole "
+                f"root-relative FQNs (e.g. {example!r}); use '*' to match any prefix"
+            )
+        earlier = sorted({taken_by[pid] for pid in matched})
+        names = ", ".join(
+            f"rules[{i}] {rule_label(ordered[i])} -> {dtype_name(ordered[i].dtype)}"
+            for i in earlier
+        )
+        raise ParamDtypeMapError(
+            f"{label} (rules[{index}]) claims no parameter: every parameter it matches "
+            f"({len(matched)}, e.g. {fqns_of[matched[0]][0]!r}) was claimed first by {names} "
+            "(first match wins). Remove it, or move it before the rule(s) it should override"
+        )
+    return targets, tuple(
+        RuleClaims(rule=rule, fqns=tuple(fqns), declared=index >= len(rules.rules))
+        for index, (rule, fqns) in enumerate(zip(ordered, claimed, strict=True))
+    )
+
+
+def _check_not_degraded(fqn: str, rule: AnyRule, kept: torch.dtype, storage: torch.dtype) -> None:
+    if storage.is_floating_point and storage.itemsize < kept.itemsize:
+        raise ParamDtypeMapError(
+            f"parameter {fqn!r} is kept in {dtype_name(kept)} by {rule_label(rule)} "
+            f"but is stored in {dtype_name(storage)}: precision was lost before "
+            "fsdp_precision saw the model (a .to(dtype) or from_config(dtype=...)). "
+            "Load it with from_pretrained(dtype=...) or fsdp_precision.hf."
+            "cast_keeping_fp32, or build it in fp32"
+        )
+
+
+def build_units(
+    model: nn.Module,
+    rules: PrecisionRules,
+    specs: Sequence[UnitSpec],
+    targets: Targets,
+    *,
+    maps: bool,
+) -> tuple[PlannedUnit, ...]:
+    """The planned units of ``specs``, in order; each parameter goes to the first that has it.
+
+    A spec without a policy computes kept parameters in their targets and the rest in
+    ``rules.param_dtype``, with an exact map when ``maps``; a spec with a policy (a separate
+    unit) computes in its ``param_dtype`` (its storage dtype for ``None``).
+    """
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    fqns_of = fqns_by_param(model)
+    unit_of: dict[int, int] = {}
+    planned: list[PlannedUnit] = []
+    for index, spec in enumerate(specs):
+        mods = spec.modules
+        name = ", ".join(module_names[id(m)] or "<root>" for m in mods)
+        keys: dict[str, tuple[torch.dtype | None, str]] = {}
+        params: list[PlannedParam] = []
+        listed: set[int] = set()
+        reduce_dtype = rules.reduce_dtype if spec.policy is None else spec.policy.reduce_dtype
+        for m in mods:
+            for local, param in m.named_parameters(remove_duplicate=False):
+                pid = id(param)
+                if unit_of.setdefault(pid, index) != index:
+                    continue
+                dtype, rule = targets.get(pid, (None, None))
+                previous = keys.get(local)
+                if previous is not None and previous[0] != dtype and len(mods) > 1:
+                    raise ParamDtypeMapError(
+                        f"grouped unit [{name}] cannot give key {local!r} two dtypes "
+                        f"({_fmt(previous[0])} by {previous[1]}, {_fmt(dtype)} by "
+                        f"{rule_label(rule)}): a grouped fully_shard broadcasts each key to every "
+                        "member. Wrap the members separately, or make the rules agree"
+                    )
+                keys[local] = (dtype, rule_label(rule))
+                if pid in listed:  # an alias inside the same unit
+                    continue
+                listed.add(pid)
+                storage = param.dtype
+                default = rules.param_dtype if spec.policy is None else spec.policy.param_dtype
+                compute = (
+                    (dtype if spec.policy is None else None)
+                    or (default if storage.is_floating_point else None)
+                    or storage
+                )
+                params.append(
+                    PlannedParam(
+                        fqn=fqns_of[pid][0],
+                        key=local,
+                        shape=tuple(param.shape),
+                        storage=storage,
+                        compute=compute,
+                        reduce=(reduce_dtype or compute) if param.requires_grad else None,
+                        claimed_by=rule,
+                        aliases=tuple(fqns_of[pid][1:]),
+                    )
+                )
+        policy = spec.policy or _policy_for(name, params, keys, rules, maps=maps)
+        planned.append(
+            PlannedUnit(
+                name=name,
+                modules=mods,
+                params=tuple(params),
+                policy=policy,
+                is_root=any(m is model for m in mods),
+                split_child=spec.split_child,
+            )
+        )
+
+    unowned = [fqns[0] for pid, fqns in fqns_of.items() if pid not in unit_of]
+    if unowned:
+        raise ParamDtypeMapError(
+            f"parameters {unowned[:5]} belong to no planned unit; FSDP would leave them "
+            "unsharded. Put the root module last in units (it owns whatever is left)"
+        )
+    _check_ties(fqns_of, [[module_names[id(m)] for m in s.modules] for s in specs])
+    return tuple(planned)
+
+
+def _fmt(dtype: torch.dtype | None) -> str:
+    return dtype_name(dtype) if dtype is not None else "the default"
+
+
+def _majority_dtype(model: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _policy_for(
+    name: str,
+    params: Sequence[PlannedParam],
+    keys: dict[str, tuple[torch.dtype | None, str]],
+    rules: PrecisionRules,
+    *,
+    maps: bool,
+) -> MixedPrecisionPolicy:
+    # A unit whose every parameter is kept (e.g. a norm or an embedder that the size rule made
+    # its own unit) must not cast its inputs to param_dtype: that would move the activation
+    # boundary and lose exactly the precision the rules keep.
+    all_kept = bool(params) and all(p.kept for p in params)
+    cast = rules.cast_forward_inputs and not all_kept
+    mapped = {k: d for k, (d, _) in keys.items() if d is not None}
+    if not maps or not mapped:
+        return MixedPrecisionPolicy(
+            param_dtype=rules.param_dtype,
+            reduce_dtype=rules.reduce_dtype,
+            output_dtype=rules.output_dtype,
+            cast_forward_inputs=cast,
+        )
+    trainable_dtypes = {p.compute for p in params if p.reduce is not None}
+    if len(trainable_dtypes) > 1 and rules.reduce_dtype is None:
+        raise ParamDtypeMapError(
+            f"unit {name} computes trainable parameters in "
+            f"{sorted(dtype_name(d) for d in trainable_dtypes)} but reduce_dtype is None; set "
+            "PrecisionRules(reduce_dtype=torch.float32)"
+        )
+    return ParamDtypeMixedPrecisionPolicy(
+        param_dtype=rules.param_dtype,
+        reduce_dtype=rules.reduce_dtype,
+        output_dtype=rules.output_dtype,
+        cast_forward_inputs=cast,
+        param_dtype_map=mapped,
+    )
+
+
+def _check_ties(fqns_of: dict[int, list[str]], unit_prefixes: list[list[str]]) -> None:
+    """A tied parameter whose aliases live under different units cannot be sharded by torch."""
+
+    def unit_index(fqn: str) -> int:
+        for i, prefixes in enumerate(unit_prefixes):
+            for prefix in prefixes:
+                if prefix == "" or fqn.startswith(prefix + "."):
+                    return i
+        return len(unit_prefixes)
+
+    for fqns in fqns_of.values():
+        if len(fqns) < 2:
+            continue
+        owners = {unit_index(f) for f in fqns}
+        if len(owners) > 1:
+            raise ParamDtypeMapError(
+                f"tied parameter {fqns[0]!r} (also {', '.join(fqns[1:])}) spans FSDP units "
+                f"{sorted(owners)}; torch cannot shard a parameter shared across units. Put the "
+                "modules that share it in one unit (e.g. leave the embedding and the head in "
+                "the root)"
+            )
