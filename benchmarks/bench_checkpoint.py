@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput: sharded and full DCP checkpoints against plain torch.save/load.
 
-    python benchmarks/bench_checkpoint.py [--nproc 2] [--iters 5] [--dim 1024] [--depth 8]
+    python benchmarks/bench_checkpoint.py [--nproc 2] [--iters 5] [--dim 1024] [--depth 8] [--smoke]
 
 One FSDP2 model (one unit per layer, bf16 storage with fp32 norms in the same units, so the
 mixed-dtype path is the one measured) and its AdamW state, on ``--nproc`` gloo ranks (CPU).
@@ -18,7 +18,8 @@ Variants (save, then load, into a fresh directory each time):
   followed by ``load_model_state_dict``-free placement not timed either): raw serialisation.
 
 The files go to ``--dir`` (default: a temporary directory); reads are mostly served from the page
-cache. Prints a markdown table (rank 0).
+cache. Prints a markdown table (rank 0). ``--smoke``: a tiny model and one iteration, the same
+code path, in seconds.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
-from fsdp_precision._checkpoint import load_checkpoint, save_checkpoint
+from fsdp_precision import load_checkpoint, save_checkpoint
 
 
 class Layer(nn.Module):
@@ -180,7 +181,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.iters, args.dim, args.depth = 1, 32, 2
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])

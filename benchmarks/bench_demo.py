@@ -1,6 +1,7 @@
 """Wall time of the README's main job, ``fsdp-precision demo``, as a user runs it.
 
-    python benchmarks/bench_demo.py --runs 3
+    python benchmarks/bench_demo.py --runs 3 [-- DEMO_ARGS...]
+    python benchmarks/bench_demo.py --smoke   (one run of the built-in decoder, 2 steps: CI)
 
 Each run is a fresh ``python -m fsdp_precision demo`` (imports, both phases' processes, the
 checkpoint, the summary), timed from outside. Prints each run's wall time and the median, and the
@@ -39,7 +40,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("demo_args", nargs="*", help="passed to fsdp-precision demo")
+    parser.add_argument("--smoke", action="store_true", help="one tiny run, seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.demo_args = 1, ["--model", "builtin", "--steps", "2", "--dim", "16"]
     walls = []
     for i in range(args.runs):
         wall, reported = one_run(args.demo_args)

@@ -1,16 +1,25 @@
-"""Step time and collectives of the patched path, measured side by side in one run.
+"""Step time and collectives per step of the patched path, measured side by side in one run.
 
-    python benchmarks/bench_step.py [--nproc 2] [--iters 30] [--dim 256] [--depth 4]
+    python benchmarks/bench_step.py [--nproc 2] [--iters 40] [--dim 64] [--depth 6] [--smoke]
 
-Two comparisons, each interleaved step by step so machine noise hits both sides alike:
+Five copies of one TinyDecoder, one FSDP2 unit per block and the root, bf16 compute, fp32 reduce:
 
-1. overhead: the patched path with an empty map against unpatched torch (same uniform bf16
-   policy). The patch is removed and re-applied between steps (outside the timed region).
-2. mixed map: norms and router mapped to fp32 inside bf16 units, against the uniform bf16 policy;
-   plus all-gather bytes against their lower bound (numel x compute itemsize, no padding) and
-   collective counts against the public-API alternative (separate fp32 child units).
+- ``unpatched``: torch's own ``MixedPrecisionPolicy(bf16, fp32)``, wrapped and stepped with the
+  patch removed (it is removed and re-applied around each of its steps, outside the timed region);
+- ``empty_map``: the patch applied, ``ParamDtypeMixedPrecisionPolicy`` with an empty map;
+- ``uniform``: the patch applied, torch's own uniform policy;
+- ``mapped``: norms and routers mapped to fp32 inside their bf16 units
+  (``compile_param_dtype_maps(...).apply()``);
+- ``separate``: the public-API alternative, norms and routers as separate fp32 units.
 
-Prints a markdown table (rank 0) and writes JSON to --out when given.
+Every iteration steps every variant once, in an order reversed every other iteration, so machine
+noise hits all of them alike; a step's time is its slowest rank's. The ratios are medians over
+iterations of (variant step / reference step in the same iteration). Collectives of one training
+step are recorded for every variant, with the mapped model's all-gathered bytes against their
+lower bound (every parameter once per unshard in its compute dtype, no padding).
+
+``--smoke``: a tiny model and two iterations, the same code path, in seconds. Prints JSON (rank 0)
+and writes it to ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -18,24 +27,55 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import socket
 import statistics
+import sys
 import time
-from datetime import timedelta
+from collections.abc import Callable
+from datetime import date, timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_precision as fp
-from fsdp_precision._cli._demo import _wrap_mapped, _wrap_reference
+
+# Helpers moving to the public fsdp_precision.testing (issue 13); the switch is this one block:
+#   from fsdp_precision.testing import CollectiveRecorder, TinyConfig, TinyDecoder
+#   from fsdp_precision.testing import wrap_separate_units
+from fsdp_precision._cli._demo import _wrap_reference
 from fsdp_precision._cli._tiny import TinyConfig, TinyDecoder
 from fsdp_precision._observe import CollectiveRecorder
 
-BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+def wrap_separate_units(model: nn.Module, plan: fp.PrecisionPlan) -> None:
+    """``plan``'s kept parameters as their own fp32 units (the demo's reference builder)."""
+    names = {id(m): n for n, m in plan.model.named_modules()}
+    note = _wrap_reference(model, plan, names)
+    if note is not None:
+        raise SystemExit(f"separate units cannot express this plan: {note}")
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+RULES = fp.PrecisionRules(
+    param_dtype=BF16,
+    reduce_dtype=FP32,
+    rules=(fp.Glob("*norm.weight", FP32), fp.Glob("*router.weight", FP32)),
+)
+VARIANTS = ("unpatched", "empty_map", "uniform", "mapped", "separate")
+#: (variant, reference) pairs whose per-iteration step-time ratios are reported.
+RATIOS = (
+    ("empty_map", "unpatched"),
+    ("uniform", "unpatched"),
+    ("mapped", "uniform"),
+    ("separate", "uniform"),
+)
 
 
 def wrap_uniform(model: TinyDecoder, policy: MixedPrecisionPolicy) -> None:
@@ -44,27 +84,75 @@ def wrap_uniform(model: TinyDecoder, policy: MixedPrecisionPolicy) -> None:
     fully_shard(model, mp_policy=policy)
 
 
-def step_fn(model: TinyDecoder, cfg: TinyConfig):
+def build(base: TinyDecoder) -> dict[str, tuple[TinyDecoder, fp.PrecisionPlan | None]]:
+    """The five wrapped copies of ``base`` (the mapped ones with their plans)."""
+    models = {k: copy.deepcopy(base) for k in VARIANTS}
+    uniform = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    fp.remove_param_dtype_map_patch()
+    wrap_uniform(models["unpatched"], uniform)
+    fp.apply_param_dtype_map_patch()
+    wrap_uniform(
+        models["empty_map"], fp.ParamDtypeMixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
+    )
+    wrap_uniform(models["uniform"], uniform)
+    mapped = fp.compile_param_dtype_maps(models["mapped"], RULES)
+    mapped.apply()
+    separate = fp.compile_param_dtype_maps(models["separate"], RULES)
+    wrap_separate_units(models["separate"], separate)
+    plans = {"mapped": mapped, "separate": separate}
+    return {k: (m, plans.get(k)) for k, m in models.items()}
+
+
+def step_fn(model: TinyDecoder, cfg: TinyConfig, unpatched: bool) -> Callable[[], float]:
+    """One timed training step (forward, backward, AdamW); unpatched: with the patch removed."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, cfg.vocab, (4, cfg.seq + 1), generator=g)
 
     def step() -> float:
-        start = time.perf_counter()
-        model.loss(tokens).backward()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - start
+        if unpatched:
+            fp.remove_param_dtype_map_patch()
+        try:
+            start = time.perf_counter()
+            model.loss(tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            return time.perf_counter() - start
+        finally:
+            if unpatched:
+                fp.apply_param_dtype_map_patch()
 
     return step
 
 
-def synced(step) -> float:
+def synced(step: Callable[[], float]) -> float:
     dist.barrier()
-    t = step()
-    t_max = torch.tensor([t])
+    t_max = torch.tensor([step()])
     dist.all_reduce(t_max, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     return float(t_max.item())
+
+
+def lower_bound_bytes(plan: fp.PrecisionPlan) -> int:
+    """One step's all-gathered bytes with no padding: every parameter in its compute dtype, once
+    per unshard (blocks twice, forward and backward; the root, never resharded, once)."""
+    total = 0
+    for unit in plan.units:
+        unit_bytes = sum(
+            math.prod(p.shape) * torch.empty((), dtype=p.compute).element_size()
+            for p in unit.params
+        )
+        total += unit_bytes * (1 if plan.model in unit.modules else 2)
+    return total
+
+
+def check_contract(collectives: dict[str, dict[str, int]]) -> None:
+    """Fail the run where the patch broke its contract: an empty map takes the upstream path
+    (the same collectives), and a map costs no extra collective."""
+    if collectives["empty_map"] != collectives["unpatched"]:
+        raise SystemExit(f"empty map != unpatched: {collectives}")
+    counts = {k: (c["all_gathers"], c["reduce_scatters"]) for k, c in collectives.items()}
+    if counts["mapped"] != counts["uniform"]:
+        raise SystemExit(f"mapped units issue other collectives than uniform ones: {counts}")
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -73,47 +161,19 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.nproc, timeout=timedelta(300))
     cfg = TinyConfig(dim=args.dim, depth=args.depth)
     torch.manual_seed(0)
-    base = TinyDecoder(cfg)
-    models = {
-        k: copy.deepcopy(base) for k in ("unpatched", "empty_map", "uniform", "mapped", "children")
-    }
+    built = build(TinyDecoder(cfg))
+    steps = {k: step_fn(m, cfg, unpatched=k == "unpatched") for k, (m, _) in built.items()}
 
-    fp.apply_param_dtype_map_patch()
-    fp.remove_param_dtype_map_patch()
-    wrap_uniform(models["unpatched"], BF16)
-    fp.apply_param_dtype_map_patch()
-    wrap_uniform(
-        models["empty_map"],
-        fp.ParamDtypeMixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    )
-    wrap_uniform(models["uniform"], BF16)
-    _wrap_mapped(models["mapped"])
-    _wrap_reference(models["children"])
-    steps = {k: step_fn(m, cfg) for k, m in models.items()}
-
-    def run_unpatched() -> float:
-        fp.remove_param_dtype_map_patch()
-        try:
-            return synced(steps["unpatched"])
-        finally:
-            fp.apply_param_dtype_map_patch()
-
-    # Lazy init and warm-up.
-    for _ in range(3):
-        run_unpatched()
-        for k in ("empty_map", "uniform", "mapped", "children"):
+    for _ in range(args.warmup):  # lazy init and warm-up
+        for k in VARIANTS:
             synced(steps[k])
-
-    times: dict[str, list[float]] = {k: [] for k in models}
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     for i in range(args.iters):
-        order = ["unpatched", "empty_map", "uniform", "mapped", "children"]
-        if i % 2:
-            order.reverse()
-        for k in order:
-            times[k].append(run_unpatched() if k == "unpatched" else synced(steps[k]))
+        for k in reversed(VARIANTS) if i % 2 else VARIANTS:
+            times[k].append(synced(steps[k]))
 
-    collectives = {}
-    for k in ("uniform", "mapped", "children"):
+    collectives: dict[str, dict[str, int]] = {}
+    for k in VARIANTS:
         with CollectiveRecorder() as rec:
             steps[k]()
         gathers = rec.of("all_gather")
@@ -122,47 +182,30 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
             "reduce_scatters": rec.count("reduce_scatter"),
             "all_gather_bytes": sum(g.output_bytes for g in gathers),
         }
-    # Lower bound of one forward+backward's all-gathered bytes for the mapped model: every
-    # unit gathers its parameters in their compute dtype with no padding at all.
-    keep = {
-        n
-        for n, _ in base.named_parameters()
-        if n.endswith(("attn_norm.weight", "mlp_norm.weight", "router.weight"))
-        or n == "norm.weight"
-    }
-    per_unshard = {}
-    for n, p in base.named_parameters():
-        unit = n.split(".")[0] + "." + n.split(".")[1] if n.startswith("blocks.") else "<root>"
-        per_unshard[unit] = per_unshard.get(unit, 0) + p.numel() * (4 if n in keep else 2)
-    # blocks are unsharded twice (forward, backward), the root once
-    lower = sum(b * (1 if u == "<root>" else 2) for u, b in per_unshard.items())
+    mapped_plan = built["mapped"][1]
+    assert mapped_plan is not None
+    check_contract(collectives)
 
     if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
         ratios = {
-            "empty_map_over_unpatched": statistics.median(
-                a / b for a, b in zip(times["empty_map"], times["unpatched"], strict=True)
-            ),
-            "uniform_patched_over_unpatched": statistics.median(
-                a / b for a, b in zip(times["uniform"], times["unpatched"], strict=True)
-            ),
-            "mapped_over_uniform": statistics.median(
-                a / b for a, b in zip(times["mapped"], times["uniform"], strict=True)
-            ),
-            "children_over_uniform": statistics.median(
-                a / b for a, b in zip(times["children"], times["uniform"], strict=True)
-            ),
+            f"{a}_over_{b}": statistics.median(
+                x / y for x, y in zip(times[a], times[b], strict=True)
+            )
+            for a, b in RATIOS
         }
-        result = {
+        result: dict[str, Any] = {
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "date": date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "torch": torch.__version__,
+            "backend": "gloo",
             "nproc": args.nproc,
             "iters": args.iters,
-            "model": f"TinyDecoder dim={cfg.dim} depth={cfg.depth} seq={cfg.seq}",
-            "median_step_s": med,
+            "model": f"TinyDecoder dim={cfg.dim} depth={cfg.depth} seq={cfg.seq} batch=4",
+            "median_step_s": {k: statistics.median(v) for k, v in times.items()},
             "median_paired_ratio": ratios,
             "collectives_per_step": collectives,
-            "mapped_all_gather_bytes_lower_bound": lower,
+            "mapped_all_gather_bytes_lower_bound": lower_bound_bytes(mapped_plan),
         }
         print(json.dumps(result, indent=2))
         if args.out:
@@ -172,13 +215,17 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--out", default="")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.iters, args.warmup, args.dim, args.depth = 2, 1, 16, 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 
 import fsdp_precision as fp
 from fsdp_precision import _checkpoint
+from fsdp_precision._checkpoint import _metadata
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -48,7 +49,7 @@ def install(point: str) -> None:
 
         dcp_fs._write_item = write_item
     elif point == "before_metadata":  # every shard written, the completion marker not
-        _checkpoint._write_metadata = lambda *a, **k: die()
+        _metadata.write_metadata = lambda *a, **k: die()
     elif point == "between_renames":  # previous moved aside, the new one not yet in place
         replace = os.replace
 
@@ -57,7 +58,7 @@ def install(point: str) -> None:
                 die()
             return replace(src, dst)
 
-        _checkpoint.os.replace = guarded  # type: ignore[attr-defined]
+        os.replace = guarded  # the os module's: every rename of the save protocol goes through it
     else:
         raise SystemExit(f"unknown kill point {point!r}")
 

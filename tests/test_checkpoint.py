@@ -9,7 +9,10 @@ test-only environment variable ``CKPT_ROOT_ENV``); a 4-rank HSDP 2x2 group, a 1-
 from __future__ import annotations
 
 import copy
+import errno
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -32,7 +36,13 @@ from fsdp_precision._checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
-from fsdp_precision._errors import CheckpointError, StateDictMismatchError
+from fsdp_precision._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    StateDictMismatchError,
+)
 from fsdp_precision._patch import torch_release
 from test_parity import wrap_mapped
 
@@ -509,3 +519,245 @@ def test_export_without_safetensors_says_what_to_install(
     with pytest.raises(CheckpointError, match=r"needs the safetensors package.*pip install"):
         export_safetensors(nn.Linear(2, 2), tmp_path / "export")
     assert not (tmp_path / "export").exists()
+
+
+# --------------------------------------------------------------------------- errors, one process
+# A plain module in this process (no process group): DCP saves and loads it as one process, so
+# every filesystem failure is cheap to provoke. The pytest process never applies the patch.
+
+single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def linear(seed: int = 0, out_features: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, out_features)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A complete sharded checkpoint at step 1 (model and optimizer), loaded back once."""
+    model, opt = linear()
+    path = save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    assert load_checkpoint(path, *linear(1))["step"] == 1
+    return path
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def remove_first(path: Path, suffix: str) -> None:
+    next(p for p in path.iterdir() if p.name.endswith(suffix)).unlink()
+
+
+def export(source: nn.Module | Path, out: Path) -> None:
+    pytest.importorskip("safetensors")
+    export_safetensors(source, out)
+
+
+def save_over(path: Path) -> None:
+    save_checkpoint(path, *linear(), step=2)
+
+
+def save_below_file(path: Path) -> None:
+    save_checkpoint(path / METADATA_FILE / "ck", *linear(), step=2)
+
+
+# (name, damage done to the saved checkpoint, the failing call, error type, its cause, message)
+LOCAL_ERRORS: list[tuple[str, Any, Any, type[Exception], type[BaseException] | None, str]] = [
+    (
+        "save below a regular file",
+        None,
+        save_below_file,
+        CheckpointWriteError,
+        FileExistsError,
+        r"cannot create '.*ck/fsdp_precision_checkpoint\.json', the parent of checkpoint "
+        r"'.*/ck': \[Errno 17\] File exists: .*; pass a checkpoint_dir whose parent is \(or can "
+        r"be made\) a writable directory",
+    ),
+    (
+        "save over a directory that is not a checkpoint",
+        lambda p: (p / METADATA_FILE).unlink(),
+        save_over,
+        CheckpointWriteError,
+        None,
+        r"'.*/ck' exists and is not an fsdp_precision checkpoint \(a non-empty directory without "
+        r"fsdp_precision_checkpoint\.json\); save_checkpoint replaces the directory it is given "
+        r"and will not delete one it did not write: pass a new or empty directory, or remove",
+    ),
+    (
+        "load a missing directory",
+        lambda p: shutil.rmtree(p),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointNotFoundError,
+        None,
+        r"checkpoint directory '.*/ck' does not exist \(and no complete copy left by an "
+        r"interrupted save is next to it\); pass the directory given to save_checkpoint\(\)",
+    ),
+    (
+        "load a directory without metadata",
+        lambda p: (p / METADATA_FILE).unlink(),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointNotFoundError,
+        None,
+        r"checkpoint directory '.*/ck' is not a complete fsdp_precision checkpoint \(no "
+        r"fsdp_precision_checkpoint\.json\); pass a directory written by save_checkpoint\(\), "
+        r"or check that its save finished",
+    ),
+    (
+        "metadata of a file",
+        None,
+        lambda p: read_checkpoint_metadata(p / METADATA_FILE),
+        CheckpointNotFoundError,
+        None,
+        r"checkpoint directory '.*/ck/fsdp_precision_checkpoint\.json' is a file, not a "
+        r"directory; pass the directory given to save_checkpoint\(\)",
+    ),
+    (
+        "load corrupt metadata",
+        lambda p: write(p / METADATA_FILE, '{"format": '),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointReadError,
+        json.JSONDecodeError,
+        r"cannot read '.*/ck/fsdp_precision_checkpoint\.json': Expecting value: line 1 column 12 "
+        r"\(char 11\); the checkpoint's metadata is damaged: load an earlier checkpoint, or save",
+    ),
+    (
+        "load foreign metadata",
+        lambda p: write(p / METADATA_FILE, '{"format": "other"}'),
+        lambda p: read_checkpoint_metadata(p),
+        CheckpointReadError,
+        None,
+        r"'.*/ck/fsdp_precision_checkpoint\.json' has format 'other', not "
+        r"'fsdp_precision\.checkpoint'; pass a directory written by save_checkpoint\(\)",
+    ),
+    (
+        "load metadata without fields",
+        lambda p: write(p / METADATA_FILE, '{"format": "fsdp_precision.checkpoint"}'),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointReadError,
+        None,
+        r"'.*/ck/fsdp_precision_checkpoint\.json' lacks the field\(s\) \['state_dict_type', "
+        r"'step', 'world_size', 'has_optimizer'\]; the checkpoint's metadata is damaged",
+    ),
+    (
+        "load without DCP's metadata",
+        lambda p: (p / ".metadata").unlink(),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointReadError,
+        FileNotFoundError,
+        r"cannot read the DCP metadata of checkpoint '.*/ck' \(FileNotFoundError\(2, 'No such "
+        r"file or directory'\)\); the checkpoint is damaged or was not written by "
+        r"torch\.distributed\.checkpoint",
+    ),
+    (
+        "load without a data file",
+        lambda p: remove_first(p, ".distcp"),
+        lambda p: load_checkpoint(p, *linear(1)),
+        CheckpointReadError,
+        CheckpointException,
+        r"cannot read checkpoint '.*/ck' \(rank 0: FileNotFoundError\(2, 'No such file or "
+        r"directory'\)\); a file of the checkpoint is missing or damaged, or the optimizer does "
+        r"not match the saved one\. The model and optimizer may be partly loaded",
+    ),
+    (
+        "load another shape",
+        None,
+        lambda p: load_checkpoint(p, linear(out_features=4)[0]),
+        StateDictMismatchError,
+        None,
+        r"checkpoint '.*/ck' does not match the model: 2 shape mismatch\(es\): 'bias' incoming "
+        r"\(2,\) vs model \(4,\), 'weight' incoming \(2, 3\) vs model \(4, 3\)\. Nothing was",
+    ),
+    (
+        "export below a regular file",
+        None,
+        lambda p: export(linear()[0], p / METADATA_FILE / "out"),
+        CheckpointWriteError,
+        NotADirectoryError,
+        r"cannot write '.*/ck/fsdp_precision_checkpoint\.json/out/model\.safetensors' "
+        r"\(NotADirectoryError\(20, 'Not a directory'\)\); pass an out_dir that is \(or can be made\)",
+    ),
+    (
+        "export without a data file",
+        lambda p: remove_first(p, ".distcp"),
+        lambda p: export(p, p.parent / "out"),
+        CheckpointReadError,
+        CheckpointException,
+        r"cannot read the model tensors of checkpoint '.*/ck' \(rank 0: FileNotFoundError\(2, "
+        r"'No such file or directory'\)\); a file of the checkpoint is missing or damaged",
+    ),
+]
+
+
+@single_process
+@pytest.mark.parametrize(
+    ("damage", "call", "error", "cause", "message"),
+    [case[1:] for case in LOCAL_ERRORS],
+    ids=[case[0] for case in LOCAL_ERRORS],
+)
+def test_checkpoint_error_names_path_and_fix(
+    saved: Path,
+    damage: Any,
+    call: Any,
+    error: type[Exception],
+    cause: type[BaseException] | None,
+    message: str,
+) -> None:
+    if damage is not None:
+        damage(saved)
+    with pytest.raises(error, match=message) as info:
+        call(saved)
+    assert isinstance(info.value, CheckpointError)
+    if error is CheckpointWriteError:
+        assert isinstance(info.value, OSError)  # what saves raised before: `except OSError` holds
+    if cause is None:
+        assert info.value.__cause__ is None
+    else:
+        assert isinstance(info.value.__cause__, cause), repr(info.value.__cause__)
+
+
+@single_process
+def test_save_over_foreign_directory_keeps_its_files(saved: Path) -> None:
+    (saved / METADATA_FILE).unlink()
+    before = sorted(p.name for p in saved.iterdir())
+    with pytest.raises(CheckpointWriteError, match="is not an fsdp_precision checkpoint"):
+        save_over(saved)
+    assert sorted(p.name for p in saved.iterdir()) == before
+    # Negative control: an empty directory, or a checkpoint, is replaced.
+    shutil.rmtree(saved)
+    saved.mkdir()
+    save_over(saved)
+    save_over(saved)
+    assert read_checkpoint_metadata(saved)["step"] == 2
+
+
+@single_process
+def test_failed_write_keeps_the_previous_checkpoint(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails inside DCP (a full disk) raises CheckpointWriteError naming the
+    temporary directory, and the previous checkpoint stays loadable; the next save cleans up."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_fs, "_write_item", full_disk)
+        with pytest.raises(
+            CheckpointWriteError,
+            match=r"cannot write checkpoint '.*/ck\.tmp-[0-9a-f]{12}' \(rank 0: OSError\(28, 'No "
+            r"space left on device'\)\); the previous checkpoint \(if any\) is unchanged: check "
+            r"that the directory is writable and has free space, and save again",
+        ) as info:
+            save_over(saved)
+    assert isinstance(info.value.__cause__, CheckpointException)
+    assert load_checkpoint(saved, *linear(1))["step"] == 1
+    save_over(saved)  # the negative control: the same save, with a disk that works
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+    assert load_checkpoint(saved, *linear(1))["step"] == 2

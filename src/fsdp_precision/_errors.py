@@ -4,6 +4,9 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "CheckpointWriteError",
     "FsdpPrecisionError",
     "ParamDtypeMapError",
     "PatchIntegrityError",
@@ -35,10 +38,30 @@ class PatchIntegrityError(FsdpPrecisionError, RuntimeError):
 
 
 class CheckpointError(FsdpPrecisionError, ValueError):
-    """A checkpoint call got bad input: an unknown ``state_dict_type``, a missing or foreign
-    directory, a checkpoint of the other type, or a state dict of the other type.
+    """A checkpoint call failed; the message names the path (where there is one) and the fix.
 
-    Raised before the model, the optimizer or any file is modified.
+    Raised as such for bad input (an unknown ``state_dict_type``, a checkpoint or state dict of
+    the other type, a missing optimizer state) before the model, the optimizer or any file is
+    modified; the subclasses below say what else went wrong.
+    """
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """There is no complete ``fsdp_precision`` checkpoint at the path: the directory does not
+    exist (and no interrupted save left a complete copy beside it), is a file, or has no
+    metadata file (a save that never finished, or a directory this library did not write)."""
+
+
+class CheckpointReadError(CheckpointError):
+    """A checkpoint's files cannot be read or parsed: corrupt or foreign metadata, a missing or
+    damaged DCP file. Wraps the underlying error (``__cause__``) where there is one."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save or export could not write its files: an unwritable or missing parent, a full disk,
+    a target that exists and is not a checkpoint. Also an ``OSError`` (what saves raised before).
+
+    The previous checkpoint at the target, if any, is left in place.
     """
 
 
