@@ -27,8 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_precision._checkpoint import (
-    METADATA_FILE,
+from fsdp_precision import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    StateDictMismatchError,
     export_safetensors,
     load_checkpoint,
     load_model_state_dict,
@@ -36,13 +40,7 @@ from fsdp_precision._checkpoint import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
-from fsdp_precision._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    CheckpointWriteError,
-    StateDictMismatchError,
-)
+from fsdp_precision._checkpoint import METADATA_FILE
 from fsdp_precision._patch import torch_release
 from test_parity import wrap_mapped
 

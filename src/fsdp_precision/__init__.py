@@ -29,6 +29,9 @@ from ._config import PRESETS, DistributedConfig
 from ._dtypes import MAPPABLE_DTYPES
 from ._errors import (
     CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointWriteError,
     FsdpPrecisionError,
     ParamDtypeMapError,
     PatchIntegrityError,
@@ -58,6 +61,9 @@ __all__ = [
     "PRESETS",
     "SUPPORTED_RELEASES",
     "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "CheckpointWriteError",
     "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
