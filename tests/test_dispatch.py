@@ -120,6 +120,25 @@ def test_targets_follow_the_traits(module: object) -> None:
     assert lazy_init == traits.patches_precision
 
 
+# Every trait of every release, as docs/how-it-works.md tables them (the release modules name
+# only where they differ from the defaults, so a changed default shows here).
+TRAIT_TABLE = {
+    #         groups list, requires_grad, clamp, compiled, results, native, patches
+    "2.11": (False, False, False, True, 6, False, True),
+    "2.12": (True, True, True, False, 6, False, True),
+    "2.13": (True, True, True, False, 7, False, True),
+    "2.14": (True, True, True, False, 7, False, True),
+    "2.15": (True, True, True, False, 7, True, False),
+}
+
+
+@pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
+def test_release_traits_are_the_documented_ones(module: object) -> None:
+    traits = module.TRAITS  # type: ignore[attr-defined]
+    values = tuple(getattr(traits, f.name) for f in dataclasses.fields(traits))
+    assert values == TRAIT_TABLE[module.TORCH_RELEASE]  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

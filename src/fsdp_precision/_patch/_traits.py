@@ -17,31 +17,33 @@ __all__ = ["ReleaseTraits", "targets"]
 class ReleaseTraits:
     """The upstream behaviours the patch depends on that changed between releases.
 
-    Each field names the release that introduced the behaviour it records.
+    Each field names the release that introduced the behaviour it records. The defaults are
+    torch 2.13's behaviour (the release the replaced functions mirror; 2.14 has the same traits):
+    a release module names only where its release differs.
     """
 
     #: 2.12: ``_init_param_group`` builds a list of groups, ``state._fsdp_param_groups``
     #: (per-parameter meshes); 2.11 builds one group, ``state._fsdp_param_group``.
-    param_group_list: bool
+    param_group_list: bool = True
     #: 2.12: ``FSDPParam`` keeps ``requires_grad``; 2.11 makes every sharded parameter trainable,
     #: so it cannot manage integral or boolean parameters (a mapped unit says so up front).
-    keeps_requires_grad: bool
+    keeps_requires_grad: bool = True
     #: 2.12: ``FSDPParam.init_dtype_attrs`` clamps ``param_dtype`` to None for non-floating
     #: parameters; on 2.11 mapped units apply the clamp themselves.
-    clamps_non_floating: bool
+    clamps_non_floating: bool = True
     #: 2.11 only (2.12 removed them): compiled-autograd branches in
     #: ``_get_param_all_gather_inputs`` (per-parameter inputs) and ``foreach_reduce`` (no
     #: post-accumulate-grad hooks), behind ``_fsdp_common.compiled_autograd_enabled``.
-    compiled_autograd_branches: bool
+    compiled_autograd_branches: bool = False
     #: 2.13: ``foreach_reduce`` returns seven values (``post_reduce_stream`` third); six before.
-    foreach_reduce_results: int
+    foreach_reduce_results: int = 7
     #: 2.15: ``MixedPrecisionPolicy.param_dtype_override_fn``; the construction wrap translates
     #: the map into it where it can express the map.
-    native_override: bool
+    native_override: bool = False
     #: 2.11-2.14: the patch replaces FSDP2's precision machinery (``_init_mp_dtypes``,
     #: ``_get_param_all_gather_inputs``, ``foreach_reduce``). False on 2.15, where what the
     #: native override cannot express is refused by name instead.
-    patches_precision: bool
+    patches_precision: bool = True
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):

@@ -14,15 +14,13 @@ from ._traits import ReleaseTraits
 
 TORCH_RELEASE = "2.11"
 
-#: What this release's FSDP2 does differently (see ``ReleaseTraits`` for each field).
+#: Where this release's FSDP2 differs from 2.13's (see ``ReleaseTraits`` for each field).
 TRAITS = ReleaseTraits(
     param_group_list=False,
     keeps_requires_grad=False,
     clamps_non_floating=False,
     compiled_autograd_branches=True,
     foreach_reduce_results=6,
-    native_override=False,
-    patches_precision=True,
 )
 
 #: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).

@@ -14,16 +14,8 @@ from ._traits import ReleaseTraits
 
 TORCH_RELEASE = "2.14"
 
-#: What this release's FSDP2 does differently (see ``ReleaseTraits`` for each field).
-TRAITS = ReleaseTraits(
-    param_group_list=True,
-    keeps_requires_grad=True,
-    clamps_non_floating=True,
-    compiled_autograd_branches=False,
-    foreach_reduce_results=7,
-    native_override=False,
-    patches_precision=True,
-)
+#: 2.13's behaviour in every trait (the defaults of ``ReleaseTraits``).
+TRAITS = ReleaseTraits()
 
 #: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
 SOURCES: dict[str, str] = {

@@ -14,13 +14,8 @@ from ._traits import ReleaseTraits
 
 TORCH_RELEASE = "2.15"
 
-#: What this release's FSDP2 does differently (see ``ReleaseTraits`` for each field).
+#: Where this release's FSDP2 differs from 2.13's (see ``ReleaseTraits`` for each field).
 TRAITS = ReleaseTraits(
-    param_group_list=True,
-    keeps_requires_grad=True,
-    clamps_non_floating=True,
-    compiled_autograd_branches=False,
-    foreach_reduce_results=7,
     native_override=True,
     patches_precision=False,
 )
