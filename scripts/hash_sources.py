@@ -1,8 +1,10 @@
-"""Print the ``SOURCES`` table of a release module for the torch installed in this environment.
+"""Print (or check) the ``SOURCES`` table of a release module for the torch installed here.
 
-    python scripts/hash_sources.py                      # implementation of the installed release
-    python scripts/hash_sources.py --implementation _impl_v2_13   # for a new release module
+    python scripts/hash_sources.py                  # the table for the installed release
+    python scripts/hash_sources.py --check          # exit 1 unless the release module agrees
+    python scripts/hash_sources.py --traits-of 2.14 # a new release: hash what 2.14's traits need
 
+The functions hashed follow the release's ``TRAITS`` (``fsdp_precision._patch._traits.targets``).
 Run it in a venv holding the torch release the module is for (see scripts/compat.py), then paste
 the table into ``src/fsdp_precision/_patch/v2_NN.py``.
 """
@@ -13,37 +15,70 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from fsdp_precision._patch import SUPPORTED_RELEASES, torch_release  # noqa: E402
+from fsdp_precision._patch import (  # noqa: E402
+    SUPPORTED_RELEASES,
+    release_module_name,
+    torch_release,
+)
 from fsdp_precision._patch._sources import resolve, source_sha256  # noqa: E402
-from fsdp_precision._patch._targets import TARGETS, targets  # noqa: E402
+from fsdp_precision._patch._traits import targets  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def _release_module(release: str) -> ModuleType:
+    return importlib.import_module(f"fsdp_precision._patch.{release_module_name(release)}")
+
+
+def _hash(target: str) -> str:
+    try:
+        return source_sha256(resolve(target))
+    except (ImportError, AttributeError, OSError, TypeError) as exc:
+        return f"<missing: {exc}>"
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--implementation",
-        choices=sorted(TARGETS),
-        help="whose targets to hash (default: that of the installed release's module)",
+        "--traits-of",
+        choices=SUPPORTED_RELEASES,
+        help="whose traits decide the targets (default: the installed release's)",
     )
-    implementation = parser.parse_args(argv).implementation
-    if implementation is None:
-        name = SUPPORTED_RELEASES.get(torch_release())
-        if name is None:
-            parser.error(
-                f"torch {torch.__version__} has no release module yet; pass --implementation"
-            )
-        implementation = importlib.import_module(f"fsdp_precision._patch.{name}").IMPLEMENTATION
-    print(f"# torch {torch.__version__}, targets of {implementation}")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the installed release's SOURCES instead of printing; exit 1 on a "
+        "difference",
+    )
+    args = parser.parse_args(argv)
+    installed = torch_release()
+    like = args.traits_of or installed
+    if like not in SUPPORTED_RELEASES:
+        parser.error(f"torch {torch.__version__} has no release module yet; pass --traits-of")
+    hashes = {target: _hash(target) for target in targets(_release_module(like).TRAITS)}
+    if args.check:
+        if installed not in SUPPORTED_RELEASES:
+            parser.error(f"torch {torch.__version__} has no release module to check")
+        recorded = _release_module(installed).SOURCES
+        if list(recorded.items()) == list(hashes.items()):
+            name = release_module_name(installed)
+            print(f"torch {torch.__version__}: the {len(hashes)} hashes agree with {name}.py")
+            return 0
+        for target in dict.fromkeys([*recorded, *hashes]):
+            if recorded.get(target) != hashes.get(target):
+                print(f"differs: {target} recorded {recorded.get(target)} now {hashes.get(target)}")
+        return 1
+    print(f"# torch {torch.__version__}, targets of the {like} traits")
     print("SOURCES: dict[str, str] = {")
-    for target in targets(implementation):
-        print(f'    "{target}": "{source_sha256(resolve(target))}",')
+    for target, sha in hashes.items():
+        print(f'    "{target}": "{sha}",')
     print("}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from fsdp_precision import PatchIntegrityError, UnsupportedTorchError
 from fsdp_precision._patch import (
     SUPPORTED_RELEASES,
     _release_module,
+    release_module_name,
     torch_release,
     v2_11,
     v2_12,
@@ -24,7 +26,7 @@ from fsdp_precision._patch import (
     v2_15,
 )
 from fsdp_precision._patch._sources import resolve, source_sha256, verify_sources
-from fsdp_precision._patch._targets import REPLACED, TARGETS, targets
+from fsdp_precision._patch._traits import CONSTRUCTION_REPLACED, ReleaseTraits, targets
 
 RELEASE_MODULES = [v2_11, v2_12, v2_13, v2_14, v2_15]
 SUPPORTED = r"2\.11, 2\.12, 2\.13, 2\.14, 2\.15"  # what the error must name, in order
@@ -76,29 +78,77 @@ def test_supported_release_module_matches_installed_sources(
 ) -> None:
     fp.remove_param_dtype_map_patch()  # hash torch's functions, not the installed replacements
     module = _release_module()
-    assert list(module.SOURCES) == list(targets(module.IMPLEMENTATION))
+    assert list(module.SOURCES) == list(targets(module.TRAITS))
     for target, sha in module.SOURCES.items():
         assert source_sha256(resolve(target)) == sha, target
 
 
 def test_every_supported_release_has_a_module() -> None:
-    assert SUPPORTED_RELEASES == {
-        m.TORCH_RELEASE: m.__name__.rsplit(".", 1)[1] for m in RELEASE_MODULES
-    }
+    assert isinstance(SUPPORTED_RELEASES, tuple)  # immutable: public
+    assert SUPPORTED_RELEASES == tuple(m.TORCH_RELEASE for m in RELEASE_MODULES)
+    for module in RELEASE_MODULES:
+        assert module.__name__.rsplit(".", 1)[1] == release_module_name(module.TORCH_RELEASE)
 
 
 @pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
 def test_every_release_module_hashes_every_target(module: object) -> None:
     sources = module.SOURCES  # type: ignore[attr-defined]
-    implementation = module.IMPLEMENTATION  # type: ignore[attr-defined]
-    assert implementation in TARGETS
-    assert list(sources) == list(targets(implementation))
+    traits = module.TRAITS  # type: ignore[attr-defined]
+    assert isinstance(traits, ReleaseTraits)
+    assert list(sources) == list(targets(traits))
     assert all(re.fullmatch(r"[0-9a-f]{64}", sha) for sha in sources.values())
 
 
-def test_unknown_implementation_has_no_targets() -> None:
-    with pytest.raises(ValueError, match=r"no target list for implementation '_impl_v9_9'"):
-        targets("_impl_v9_9")
+# How many functions each release hashes: the targets computed from the traits must stay those
+# the release modules were generated with (2.11 also hashes its compiled-autograd switch; 2.15
+# hashes the native machinery instead of the patched one).
+HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 16}
+
+
+@pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
+def test_targets_follow_the_traits(module: object) -> None:
+    traits = module.TRAITS  # type: ignore[attr-defined]
+    release = module.TORCH_RELEASE  # type: ignore[attr-defined]
+    hashed = targets(traits)
+    assert len(hashed) == HASHED[release]
+    assert hashed[0] == CONSTRUCTION_REPLACED[0]
+    compiled = any(t.endswith(":compiled_autograd_enabled") for t in hashed)
+    assert compiled == traits.compiled_autograd_branches
+    native = any(t.endswith(":MixedPrecisionPolicy._resolve_for_param") for t in hashed)
+    assert native == traits.native_override
+    lazy_init = any(t.endswith(":FSDPParamGroup.lazy_init") for t in hashed)
+    assert lazy_init == traits.patches_precision
+
+
+# Every trait of every release, as docs/how-it-works.md tables them (the release modules name
+# only where they differ from the defaults, so a changed default shows here).
+TRAIT_TABLE = {
+    #         groups list, requires_grad, clamp, compiled, results, native, patches
+    "2.11": (False, False, False, True, 6, False, True),
+    "2.12": (True, True, True, False, 6, False, True),
+    "2.13": (True, True, True, False, 7, False, True),
+    "2.14": (True, True, True, False, 7, False, True),
+    "2.15": (True, True, True, False, 7, True, False),
+}
+
+
+@pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
+def test_release_traits_are_the_documented_ones(module: object) -> None:
+    traits = module.TRAITS  # type: ignore[attr-defined]
+    values = tuple(getattr(traits, f.name) for f in dataclasses.fields(traits))
+    assert values == TRAIT_TABLE[module.TORCH_RELEASE]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"foreach_reduce_results": 8}, r"foreach_reduce_results is 8; .*6 values .* or 7"),
+        ({"native_override": False, "patches_precision": False}, r"native_override or patches"),
+    ],
+)
+def test_inconsistent_traits_are_refused(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(v2_15.TRAITS, **change)  # type: ignore[arg-type]
 
 
 def test_import_touches_no_release_module() -> None:
@@ -138,13 +188,13 @@ def test_tampered_source_is_refused(
 
 
 def test_wrong_recorded_hash_names_function_and_version() -> None:
-    target = REPLACED[0]
+    target = CONSTRUCTION_REPLACED[0]
     with pytest.raises(
         PatchIntegrityError, match=r"refuses to patch torch 9\.9: .*_init_param_group"
     ):
         verify_sources({target: "0" * 64}, torch_version="9.9")
     with pytest.raises(PatchIntegrityError, match=r"cannot find .*no_such_function"):
-        verify_sources({REPLACED[0] + "_no_such_function": "0" * 64}, torch_version="9.9")
+        verify_sources({target + "_no_such_function": "0" * 64}, torch_version="9.9")
 
 
 def test_apply_is_idempotent_and_remove_restores_originals(

@@ -45,17 +45,17 @@ def assert_untouched(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
 
 
 def test_torch_calls_the_translated_override_fn(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_precision._patch import _impl_v2_15
+    from fsdp_precision._patch import _native
 
     seen: list[tuple[torch.Size, torch.dtype | None]] = []
-    original_call = _impl_v2_15.ParamDtypeOverride.__call__
+    original_call = _native.ParamDtypeOverride.__call__
 
     def spy(self, param):  # records what torch asks and what the map answers
         answer = original_call(self, param)
         seen.append((param.shape, answer))
         return answer
 
-    monkeypatch.setattr(_impl_v2_15.ParamDtypeOverride, "__call__", spy)
+    monkeypatch.setattr(_native.ParamDtypeOverride, "__call__", spy)
     model = Block()
     fully_shard(model, mp_policy=policy(KEEP))
     # Once per managed parameter, at fully_shard time, by torch's FSDPParamGroup.__init__.

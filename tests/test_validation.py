@@ -143,6 +143,31 @@ def test_frozen_parameters_need_no_reduce_dtype() -> None:
         model(torch.randn(2, 16)).float().sum().backward()
 
 
+def test_cast_after_fully_shard_is_caught_at_first_forward() -> None:
+    """The map is checked inside fully_shard; a later ``.to(dtype)`` can make it inconsistent,
+    which the patched releases catch at the first forward (lazy init), before any collective."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    pinned = policy({"0.weight": fp32}, reduce_dtype=None, param_dtype=None)
+    fully_shard(model, mp_policy=pinned)  # everything computes in fp32: a valid map
+    model(torch.randn(2, 8)).sum().backward()  # control: runs before the cast
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model, mp_policy=pinned)
+    model.to(torch.float64)  # 0.weight stays pinned to fp32, the rest now computes in fp64
+    if torch_release() == "2.15":
+        # The native override was fixed at fully_shard time; torch's own forward fails.
+        with pytest.raises(RuntimeError, match="must have the same dtype"):
+            model(torch.randn(2, 8, dtype=torch.float64))
+        return
+    with pytest.raises(
+        ParamDtypeMapError,
+        match=r"^trainable parameters of FSDP unit <root> compute in different dtypes "
+        r"\(weight: float32, bias: float64, weight: float64, bias: float64, \.\.\.\) but "
+        r"reduce_dtype is None; set reduce_dtype explicitly \(usually torch\.float32\)$",
+    ):
+        model(torch.randn(2, 8, dtype=torch.float64))
+
+
 class WithExtras(nn.Module):
     def __init__(self, extra: torch.Tensor, trainable: bool = False) -> None:
         super().__init__()

@@ -1,5 +1,13 @@
 """The guarded patch of FSDP2 internals: version dispatch, source checks, install and removal.
 
+Layout: one release module per supported torch release (``v2_11`` ... ``v2_15``: its name, the
+SHA-256 ``SOURCES`` of every upstream function the patch replaces or relies on, and its
+``TRAITS``, a :class:`~._traits.ReleaseTraits` record of what that release does differently);
+one implementation of each replaced function, by idea (``_construct``: the ``fully_shard``
+construction wrap; ``_native``: torch 2.15's ``param_dtype_override_fn``; ``_mp_dtypes``,
+``_gather``, ``_reduce``: the precision machinery), each reading the installed release's traits;
+one install registry (``_install``).
+
 Nothing outside this package imports ``torch.distributed.fsdp._fully_shard``. Importing this
 package touches no torch internals: a release module is imported only when the patch is applied,
 and only after the installed torch release was found in ``SUPPORTED_RELEASES``.
@@ -12,12 +20,16 @@ import logging
 import re
 import threading
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from fsdp_precision._errors import UnsupportedTorchError
 
 from ._sources import verify_sources
+
+if TYPE_CHECKING:
+    from ._traits import ReleaseTraits
 
 __all__ = [
     "SUPPORTED_RELEASES",
@@ -29,20 +41,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: torch release (major.minor) -> private module holding its source hashes and installer.
-SUPPORTED_RELEASES: dict[str, str] = {
-    # 2.11: one FSDPParamGroup per call, no non-floating clamp, compiled-autograd branches
-    "2.11": "v2_11",
-    # 2.12: per-parameter meshes (a list of groups); foreach_reduce still returns six values
-    "2.12": "v2_12",
-    "2.13": "v2_13",  # 2.13: foreach_reduce returns post_reduce_stream (seven values)
-    "2.14": "v2_14",  # 2.14: _init_mp_dtypes takes floating params of frozen units; same plan
-    # 2.15: native MixedPrecisionPolicy.param_dtype_override_fn; only construction is wrapped
-    "2.15": "v2_15",
-}
+#: The torch releases (major.minor) with a release module, oldest first. Release ``X.Y`` lives in
+#: ``v{X}_{Y}.py``; what differs between releases is in each module's ``TRAITS``.
+SUPPORTED_RELEASES: tuple[str, ...] = ("2.11", "2.12", "2.13", "2.14", "2.15")
 
 _lock = threading.Lock()
-_applied: ModuleType | None = None  # the implementation module, while installed
+_applied: ReleaseTraits | None = None  # the installed release's traits, while installed
 
 
 def torch_release(version: str | None = None) -> str:
@@ -54,21 +58,21 @@ def torch_release(version: str | None = None) -> str:
     return f"{match.group(1)}.{match.group(2)}"
 
 
-def _release_key(release: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in release.split("."))
+def release_module_name(release: str) -> str:
+    """``"2.14"`` -> ``"v2_14"``: the private module holding that release's hashes and traits."""
+    return "v" + release.replace(".", "_")
 
 
 def _release_module(version: str | None = None) -> ModuleType:
     release = torch_release(version)
-    name = SUPPORTED_RELEASES.get(release)
-    if name is None:
-        supported = ", ".join(sorted(SUPPORTED_RELEASES, key=_release_key))
+    if release not in SUPPORTED_RELEASES:
+        supported = ", ".join(SUPPORTED_RELEASES)
         raise UnsupportedTorchError(
             f"fsdp_precision has no patch for torch {torch.__version__} (release {release}); "
             f"supported releases: {supported}. Install one of them (pip install 'torch==2.14.*'), "
             "or give each fp32 module its own fully_shard unit with param_dtype=None"
         )
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.{release_module_name(release)}")
 
 
 def apply_param_dtype_map_patch() -> None:
@@ -85,9 +89,10 @@ def apply_param_dtype_map_patch() -> None:
             return
         release = _release_module()
         verify_sources(release.SOURCES, torch_version=torch.__version__)
-        implementation = importlib.import_module(f"{__name__}.{release.IMPLEMENTATION}")
-        implementation.install()
-        _applied = implementation
+        from . import _install  # imports torch internals: only after the hashes matched
+
+        _install.install(release.TRAITS)
+        _applied = release.TRAITS
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
 
 
@@ -101,10 +106,16 @@ def remove_param_dtype_map_patch() -> None:
     with _lock:
         if _applied is None:
             return
-        _applied.uninstall()
+        from . import _install
+
+        _install.uninstall()
         _applied = None
 
 
 def is_param_dtype_map_patch_applied() -> bool:
     """Whether :func:`apply_param_dtype_map_patch` is in effect."""
-    return _applied is not None and bool(_applied.is_installed())
+    if _applied is None:
+        return False
+    from . import _install
+
+    return _install.is_installed()

@@ -1,20 +1,29 @@
 """torch 2.11: guarded by the sources of torch 2.11.0+cu130.
 
-2.11 builds one ``FSDPParamGroup`` per ``fully_shard`` call (``state._fsdp_param_group``), lacks
-the non-floating ``param_dtype`` clamp in ``FSDPParam.init_dtype_attrs``, keeps compiled-autograd
-branches in ``_get_param_all_gather_inputs`` and ``foreach_reduce``, and returns six values from
-``foreach_reduce``; ``_impl_v2_11`` handles each (see its docstring).
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release.
+2.11 builds one ``FSDPParamGroup`` per ``fully_shard`` call, makes every sharded parameter
+trainable, lacks the non-floating ``param_dtype`` clamp, keeps compiled-autograd branches in
+``_get_param_all_gather_inputs`` and ``foreach_reduce``, and returns six values from
+``foreach_reduce``: each is a trait below.
+Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
+check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
 
+from ._traits import ReleaseTraits
+
 TORCH_RELEASE = "2.11"
 
-#: The private module that implements the patch for this release.
-IMPLEMENTATION = "_impl_v2_11"
+#: Where this release's FSDP2 differs from 2.13's (see ``ReleaseTraits`` for each field).
+TRAITS = ReleaseTraits(
+    param_group_list=False,
+    keeps_requires_grad=False,
+    clamps_non_floating=False,
+    compiled_autograd_branches=True,
+    foreach_reduce_results=6,
+)
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``_targets.targets``).
+#: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "46c52972a6ce72a827b460ec727441829e88305202196a032d5a176c38d7675f",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -1,22 +1,27 @@
 """torch 2.12: guarded by the sources of torch 2.12.1+cu130.
 
-2.12 has the 2.13 construction (``state._fsdp_param_groups``), the non-floating clamp and no
-compiled-autograd branches; it differs from 2.13 in ``foreach_reduce``'s result (six values, no
-``post_reduce_stream``), which ``_impl_v2_12`` follows. The other relied-on changes up to 2.13
-(``FSDPParamGroup.__init__``/``lazy_init``/``post_backward``: reduce-scatter buffer recycling and
-unused-parameter zero gradients; ``init_all_gather_outputs``: ``force_recreate``;
-``_get_gradient_divide_factors``: PREMUL_SUM construction) do not change what the patch does.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release.
+2.12 introduced per-parameter meshes (a list of groups), ``requires_grad`` kept by ``FSDPParam``
+and the non-floating clamp, and removed the compiled-autograd branches; ``foreach_reduce`` still
+returns six values. The other relied-on changes up to 2.13 (``FSDPParamGroup.__init__``/
+``lazy_init``/``post_backward``: reduce-scatter buffer recycling and unused-parameter zero
+gradients; ``init_all_gather_outputs``: ``force_recreate``; ``_get_gradient_divide_factors``:
+PREMUL_SUM construction) do not change what the patch does.
+Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
+check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
 
+from ._traits import ReleaseTraits
+
 TORCH_RELEASE = "2.12"
 
-#: The private module that implements the patch for this release.
-IMPLEMENTATION = "_impl_v2_12"
+#: Where this release's FSDP2 differs from 2.13's (see ``ReleaseTraits`` for each field).
+TRAITS = ReleaseTraits(
+    foreach_reduce_results=6,
+)
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``_targets.targets``).
+#: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -2,19 +2,25 @@
 
 2.15 added ``MixedPrecisionPolicy.param_dtype_override_fn``; maps it can express run through it
 with no change to FSDP's precision machinery, and the only wrapped function is the construction
-site (validation and translation). Maps it cannot express are refused by name; see
-``_impl_v2_15``.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release.
+site (validation and translation, ``_construct`` and ``_native``). Maps it cannot express are
+refused by name.
+Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
+check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
 
+from ._traits import ReleaseTraits
+
 TORCH_RELEASE = "2.15"
 
-#: The private module that implements the patch for this release.
-IMPLEMENTATION = "_impl_v2_15"
+#: Where this release's FSDP2 differs from 2.13's (see ``ReleaseTraits`` for each field).
+TRAITS = ReleaseTraits(
+    native_override=True,
+    patches_precision=False,
+)
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``_targets.targets``).
+#: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard": "f4a5183f64ab1967f099c187465cc40889fdc3b2452fffa952f0490f59de95fb",

@@ -1,0 +1,178 @@
+"""The construction wrap: ``_init_param_group``, where a ``fully_shard`` call meets its map.
+
+On every release the map is resolved against the parameters the call manages before
+``FSDPParamGroup`` shards anything; an error undoes FSDP's state registration, so the call can be
+retried. Then, depending on the installed release's traits:
+
+* ``native_override`` (2.15) and the map is expressible: torch gets a plain
+  ``MixedPrecisionPolicy`` whose ``param_dtype_override_fn`` is the translated map (``_native``);
+* ``patches_precision`` (2.11-2.14): each ``FSDPParam`` is tagged with its mapped dtype, which the
+  replaced precision machinery (``_mp_dtypes``, ``_gather``, ``_reduce``) reads;
+* neither applies (2.15, a map the native override cannot express): ``ParamDtypeMapError``.
+
+It relies on ``_init_param_group(state, params, modules, mesh_info, post_forward_mesh_info,
+device, shard_placement_fn, mp_policy, offload_policy, ...)`` (the same leading parameters on
+every supported release; 2.12 appended ``reshard_after_forward``) and on the composable-state
+registration ``fully_shard`` does before it (``FSDPState.init``); both are hashed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
+
+from fsdp_precision._dtypes import dtype_name
+from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._resolve import ResolvedMap, resolve_param_dtype_map
+
+from . import _install, _native
+from ._tags import MAPPED_DTYPE_ATTR
+from ._traits import ReleaseTraits
+
+__all__ = ["bind_mp_policy", "has_map", "init_param_group", "rebind_mp_policy", "undo_state_init"]
+
+logger = logging.getLogger(__name__)
+
+#: Index of ``mp_policy`` in ``_init_param_group``'s positional arguments after
+#: ``(state, params, modules)``: (mesh_info, post_forward_mesh_info, device, shard_placement_fn,
+#: mp_policy, offload_policy[, reshard_after_forward (2.12+)]).
+_MP_POLICY_INDEX = 4
+
+
+def init_param_group(
+    state: Any,
+    params: list[nn.Parameter],
+    modules: tuple[nn.Module, ...],
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """Resolve the map before ``FSDPParamGroup`` shards anything, then hand it to torch."""
+    original = _install.original(_fs, "_init_param_group")
+    mp_policy = bind_mp_policy(args, kwargs)
+    if not has_map(mp_policy):
+        return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
+    assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # has_map
+    release = _install.traits()
+    try:
+        resolved = resolve_param_dtype_map(modules, params, mp_policy)
+        native = _use_native(release, params, resolved, mp_policy)
+        if not native and not release.keeps_requires_grad:
+            _check_manageable(params, resolved.fqns)
+    except ParamDtypeMapError:
+        undo_state_init(state, modules)
+        raise
+    if native:
+        args, kwargs = rebind_mp_policy(args, kwargs, _native.native_policy(mp_policy, resolved))
+        original(state, params, modules, *args, **kwargs)
+        _log_mapped(modules, resolved, "native override")
+        return None
+    before = len(state._fsdp_param_groups) if release.param_group_list else 0
+    original(state, params, modules, *args, **kwargs)
+    for param_group in _new_param_groups(state, before, release):
+        for fsdp_param in param_group.fsdp_params:
+            info = fsdp_param._module_info
+            dtype = resolved.by_slot.get((id(info.module), info.param_name))
+            setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
+    _log_mapped(modules, resolved, "mapped")
+    return None
+
+
+def _use_native(
+    release: ReleaseTraits,
+    params: list[nn.Parameter],
+    resolved: ResolvedMap,
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> bool:
+    """Whether the map goes through torch's native override; raise where nothing can take it."""
+    if not release.native_override:
+        return False
+    refusal = _native.refusal(params, resolved, policy)
+    if refusal is None:
+        return True
+    if not release.patches_precision:
+        raise ParamDtypeMapError(refusal)
+    return False  # the patched machinery takes what the native override cannot express
+
+
+def _new_param_groups(state: Any, before: int, release: ReleaseTraits) -> list[Any]:
+    """The ``FSDPParamGroup``s the original ``_init_param_group`` call just built."""
+    if release.param_group_list:  # 2.12: per-parameter meshes, a list of groups
+        return list(state._fsdp_param_groups[before:])
+    group = state._fsdp_param_group  # 2.11: one group per call
+    return [] if group is None else [group]
+
+
+def _check_manageable(params: list[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
+    """Before 2.12, FSDP2 makes every sharded parameter trainable (2.12 keeps
+    ``requires_grad``), which fails for integral and boolean parameters: say so up front."""
+    bad = [p for p in params if not (p.dtype.is_floating_point or p.dtype.is_complex)]
+    if bad:
+        names = ", ".join(f"{fqns[id(p)][0]!r} ({dtype_name(p.dtype)})" for p in bad[:4])
+        raise ParamDtypeMapError(
+            f"FSDP2 in torch {torch.__version__} cannot manage non-floating parameters ({names}): "
+            "it creates every sharded parameter with requires_grad=True. Pass them in "
+            "ignored_params, or use torch 2.12 or later, which keeps them frozen"
+        )
+
+
+def _log_mapped(modules: tuple[nn.Module, ...], resolved: ResolvedMap, how: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        mapped = {
+            fqns[0]: dtype_name(resolved.by_param[pid])
+            for pid, fqns in resolved.fqns.items()
+            if pid in resolved.by_param
+        }
+        logger.debug("fully_shard(%s): %s %s", type(modules[0]).__name__, how, mapped)
+
+
+def has_map(policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
+    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and len(policy.param_dtype_map) > 0
+
+
+def bind_mp_policy(args: Sequence[Any], kwargs: dict[str, Any]) -> MixedPrecisionPolicy:
+    """``mp_policy`` from ``_init_param_group``'s arguments after ``(state, params, modules)``."""
+    if "mp_policy" in kwargs:
+        return kwargs["mp_policy"]  # type: ignore[no-any-return]
+    return args[_MP_POLICY_INDEX]  # type: ignore[no-any-return]
+
+
+def rebind_mp_policy(
+    args: Sequence[Any], kwargs: dict[str, Any], policy: MixedPrecisionPolicy
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The same arguments with ``mp_policy`` replaced."""
+    if "mp_policy" in kwargs:
+        return tuple(args), {**kwargs, "mp_policy": policy}
+    new_args = list(args)
+    new_args[_MP_POLICY_INDEX] = policy
+    return tuple(new_args), kwargs
+
+
+def undo_state_init(state: Any, modules: tuple[nn.Module, ...]) -> None:
+    """Undo what ``fully_shard`` did before ``_init_param_group``, so the call can be retried.
+
+    Parameters are untouched at this point; only the FSDP state, its registration and the forward
+    hooks that ``FSDPState.init`` added are removed.
+    """
+    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+        handle = getattr(state, name, None)
+        if handle is not None:
+            handle.remove()
+    for module in modules:
+        _module_state_mapping.pop(module, None)
+        all_state = module.__dict__.get(STATE_KEY)
+        if isinstance(all_state, dict):
+            for func in [f for f in all_state if getattr(f, "__name__", "") == "fully_shard"]:
+                del all_state[func]
+        registry = module.__dict__.get(REGISTRY_KEY)
+        if isinstance(registry, dict):
+            registry.pop("fully_shard", None)

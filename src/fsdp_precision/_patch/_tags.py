@@ -1,0 +1,29 @@
+"""What the patch records on torch's ``FSDPParam`` objects of mapped units.
+
+Set at construction (``_construct``) and at lazy init (``_mp_dtypes``); read on the hot paths
+(``_gather``, ``_reduce``), where a unit without the tag costs one attribute lookup before the
+call goes to torch's original.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["MAPPED_DTYPE_ATTR", "MAPPED_UNIT_ATTR", "in_mapped_unit", "mapped_dtype"]
+
+#: FSDPParam attribute holding the mapped compute dtype (absent or None: unmapped).
+MAPPED_DTYPE_ATTR = "_fsdp_precision_dtype"
+#: FSDPParam attribute set on every parameter of a unit with mapped parameters.
+MAPPED_UNIT_ATTR = "_fsdp_precision_unit"
+
+
+def mapped_dtype(fsdp_param: Any) -> torch.dtype | None:
+    """The dtype the map gave this ``FSDPParam``, or None."""
+    return getattr(fsdp_param, MAPPED_DTYPE_ATTR, None)
+
+
+def in_mapped_unit(fsdp_param: Any) -> bool:
+    """Whether this ``FSDPParam`` belongs to a unit with mapped parameters (after lazy init)."""
+    return bool(getattr(fsdp_param, MAPPED_UNIT_ATTR, False))

@@ -1,0 +1,142 @@
+"""What differs between the supported torch releases, as data, and what each release hashes.
+
+A release module (``v2_11.py`` ... ``v2_15.py``) holds its name, its ``SOURCES`` hash table and
+one :class:`ReleaseTraits` record. The implementation modules (``_construct``, ``_mp_dtypes``,
+``_gather``, ``_reduce``, ``_native``) read the record of the installed release instead of
+existing once per release. Pure data: importing this module touches no torch internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ReleaseTraits", "targets"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseTraits:
+    """The upstream behaviours the patch depends on that changed between releases.
+
+    Each field names the release that introduced the behaviour it records. The defaults are
+    torch 2.13's behaviour (the release the replaced functions mirror; 2.14 has the same traits):
+    a release module names only where its release differs.
+    """
+
+    #: 2.12: ``_init_param_group`` builds a list of groups, ``state._fsdp_param_groups``
+    #: (per-parameter meshes); 2.11 builds one group, ``state._fsdp_param_group``.
+    param_group_list: bool = True
+    #: 2.12: ``FSDPParam`` keeps ``requires_grad``; 2.11 makes every sharded parameter trainable,
+    #: so it cannot manage integral or boolean parameters (a mapped unit says so up front).
+    keeps_requires_grad: bool = True
+    #: 2.12: ``FSDPParam.init_dtype_attrs`` clamps ``param_dtype`` to None for non-floating
+    #: parameters; on 2.11 mapped units apply the clamp themselves.
+    clamps_non_floating: bool = True
+    #: 2.11 only (2.12 removed them): compiled-autograd branches in
+    #: ``_get_param_all_gather_inputs`` (per-parameter inputs) and ``foreach_reduce`` (no
+    #: post-accumulate-grad hooks), behind ``_fsdp_common.compiled_autograd_enabled``.
+    compiled_autograd_branches: bool = False
+    #: 2.13: ``foreach_reduce`` returns seven values (``post_reduce_stream`` third); six before.
+    foreach_reduce_results: int = 7
+    #: 2.15: ``MixedPrecisionPolicy.param_dtype_override_fn``; the construction wrap translates
+    #: the map into it where it can express the map.
+    native_override: bool = False
+    #: 2.11-2.14: the patch replaces FSDP2's precision machinery (``_init_mp_dtypes``,
+    #: ``_get_param_all_gather_inputs``, ``foreach_reduce``). False on 2.15, where what the
+    #: native override cannot express is refused by name instead.
+    patches_precision: bool = True
+
+    def __post_init__(self) -> None:
+        if self.foreach_reduce_results not in (6, 7):
+            raise ValueError(
+                f"ReleaseTraits.foreach_reduce_results is {self.foreach_reduce_results!r}; "
+                "torch's foreach_reduce returns 6 values (2.11, 2.12) or 7 (2.13 on)"
+            )
+        if not (self.native_override or self.patches_precision):
+            raise ValueError(
+                "ReleaseTraits needs native_override or patches_precision (or both): with "
+                "neither, nothing would honour the map"
+            )
+
+
+_P = "torch.distributed.fsdp._fully_shard."
+
+#: Replaced on every release: the construction site (``_construct``).
+CONSTRUCTION_REPLACED: tuple[str, ...] = (_P + "_fsdp_init:_init_param_group",)
+
+#: Replaced where ``patches_precision``: ``_mp_dtypes``, ``_gather``, ``_reduce``.
+PRECISION_REPLACED: tuple[str, ...] = (
+    _P + "_fsdp_param_group:FSDPParamGroup._init_mp_dtypes",
+    _P + "_fsdp_collectives:_get_param_all_gather_inputs",
+    _P + "_fsdp_collectives:foreach_reduce",
+)
+
+#: Relied on by the construction wrap (``FSDPState.init``'s registration that ``_construct``
+#: undoes, the call into ``FSDPParamGroup``).
+_CONSTRUCTION_RELIED_ON: tuple[str, ...] = (
+    _P + "_fully_shard:fully_shard",
+    _P + "_fsdp_state:FSDPState.init",
+    _P + "_fsdp_param_group:FSDPParamGroup.__init__",
+)
+
+#: Relied on where ``patches_precision``: called by, or mirrored in, the replacements.
+PRECISION_RELIED_ON: tuple[str, ...] = _CONSTRUCTION_RELIED_ON + (
+    _P + "_fsdp_param_group:FSDPParamGroup.lazy_init",
+    _P + "_fsdp_param_group:FSDPParamGroup.unshard",
+    _P + "_fsdp_param_group:FSDPParamGroup.wait_for_unshard",
+    _P + "_fsdp_param_group:FSDPParamGroup.post_backward",
+    _P + "_fsdp_param_group:_get_param_module_infos",
+    _P + "_fsdp_param:FSDPParam.init_dtype_attrs",
+    _P + "_fsdp_param:FSDPParam.all_gather_inputs",
+    _P + "_fsdp_param:FSDPParam.init_all_gather_outputs",
+    _P + "_fsdp_param:FSDPParam.init_unsharded_param",
+    _P + "_fsdp_param:FSDPParam.to_accumulated_grad_if_needed",
+    _P + "_fsdp_param:FSDPParam.accumulate_unsharded_grad_if_needed",
+    _P + "_fsdp_param:FSDPParam.to_sharded_dtensor",
+    _P + "_fsdp_collectives:foreach_all_gather",
+    _P + "_fsdp_collectives:_get_all_gather_input_metadatas",
+    _P + "_fsdp_collectives:foreach_all_gather_copy_out",
+    _P + "_fsdp_collectives:foreach_reduce_scatter_copy_in",
+    _P + "_fsdp_collectives:chunk_cat",
+    _P + "_fsdp_collectives:_get_gradient_divide_factors",
+    _P + "_fsdp_collectives:_div_if_needed",
+    _P + "_fsdp_common:_get_dim0_padded_size",
+    _P + "_fsdp_common:_to_dtype_if_needed",
+    "torch.distributed._composable_state:_insert_module_state",
+)
+
+#: Relied on where ``compiled_autograd_branches`` (2.11): the switch the replacements consult.
+COMPILED_AUTOGRAD_RELIED_ON: tuple[str, ...] = (_P + "_fsdp_common:compiled_autograd_enabled",)
+
+#: Relied on where ``native_override`` (2.15): the native machinery the translated map runs
+#: through, every step of it.
+NATIVE_RELIED_ON: tuple[str, ...] = (
+    *_CONSTRUCTION_RELIED_ON,
+    "torch.distributed._composable_state:_insert_module_state",
+    _P + "_fsdp_api:MixedPrecisionPolicy._resolve_for_param",  # param_dtype_override_fn
+    _P + "_fsdp_param_group:FSDPParamGroup._init_mp_dtypes",
+    _P + "_fsdp_param_group:FSDPParamGroup.post_backward",
+    _P + "_fsdp_param:FSDPParam.init_dtype_attrs",
+    _P + "_fsdp_param:FSDPParam.all_gather_inputs",
+    _P + "_fsdp_param:FSDPParam.init_unsharded_param",
+    _P + "_fsdp_collectives:_get_param_all_gather_inputs",
+    _P + "_fsdp_collectives:foreach_all_gather",
+    _P + "_fsdp_collectives:_get_all_gather_input_metadatas",
+    _P + "_fsdp_collectives:foreach_reduce",
+    _P + "_fsdp_collectives:foreach_reduce_scatter_copy_in",
+)
+
+
+def targets(traits: ReleaseTraits) -> tuple[str, ...]:
+    """Every upstream function a release with ``traits`` hashes, replaced ones first.
+
+    The order is that of the release modules' ``SOURCES`` tables (``scripts/hash_sources.py``
+    prints them in this order); a target listed by two groups appears once, where first listed.
+    """
+    groups = [CONSTRUCTION_REPLACED]
+    if traits.patches_precision:
+        groups += [PRECISION_REPLACED, PRECISION_RELIED_ON]
+    if traits.compiled_autograd_branches:
+        groups.append(COMPILED_AUTOGRAD_RELIED_ON)
+    if traits.native_override:
+        groups.append(NATIVE_RELIED_ON)
+    return tuple(dict.fromkeys(target for group in groups for target in group))
