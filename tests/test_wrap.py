@@ -234,7 +234,7 @@ def case_fsdp_matches_manual_mapped_wrap() -> None:
 def case_collectives_per_step_match_the_plan() -> None:
     # The root keeps its parameters for backward when resharding is on (torch's default): the
     # plan counts one all-gather for it. Forcing True on the root would cost one more per step.
-    from fsdp_precision._observe import CollectiveRecorder
+    from fsdp_precision.testing import CollectiveRecorder
 
     for reshard in (True, False):
         model = net()

@@ -8,4 +8,13 @@ reduce-scatter, with dtype and bytes) and typed results gathered across ranks.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
+from fsdp_precision._ranks import gather_across_ranks
+
+__all__: list[str] = [
+    "Collective",
+    "CollectiveRecorder",
+    "GatherProbe",
+    "GatheredParam",
+    "gather_across_ranks",
+]
