@@ -19,9 +19,8 @@ import torch
 
 from _hf_models import requires_transformers_5
 from fsdp_precision._cli import main
-from fsdp_precision._cli._verify_cmd import format_report
 from fsdp_precision._patch import torch_release
-from fsdp_precision._verify import (
+from fsdp_precision.testing import (
     Comparison,
     ParamParity,
     ParityReport,
@@ -306,10 +305,7 @@ def test_a_perturbed_gradient_or_gather_dtype_fails_the_report() -> None:
         f"blocks.0.gate.weight: gradient differs (max |diff| {2.0**-24:.3g})",
         "norm.weight: all-gathered in bfloat16, planned float32",
     ]
-    text = format_report(
-        report.to_dict(),
-        {"spec": "m:f", "tiny": False, "numel": 10, "precision": "bf16", "torch": "x"},
-    )
+    text = report.format()
     assert "2 of 3 parameters differ from the unsharded reference (2 problems):" in text
     row = next(line.split() for line in text.splitlines() if line.startswith("norm.weight "))
     assert row[:5] == ["norm.weight", "float32", "bfloat16", "!=", "planned"]

@@ -8,13 +8,24 @@ reduce-scatter, with dtype and bytes) and typed results gathered across ranks.
 
 from __future__ import annotations
 
+from fsdp_precision._compare import Comparison, compare, gradient_tolerance, loss_of, output_of
 from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
+from fsdp_precision._parity_report import ParamParity, ParityReport
 from fsdp_precision._ranks import gather_across_ranks
+from fsdp_precision._verify import verify_parity
 
 __all__: list[str] = [
     "Collective",
     "CollectiveRecorder",
+    "Comparison",
     "GatherProbe",
     "GatheredParam",
+    "ParamParity",
+    "ParityReport",
+    "compare",
     "gather_across_ranks",
+    "gradient_tolerance",
+    "loss_of",
+    "output_of",
+    "verify_parity",
 ]
