@@ -156,7 +156,7 @@ class ParityReport:
         At most ``max_problems`` problems are listed, then ``... and N more ({rest})``. Use it as an
         assertion message: ``assert report.ok, report.format()``.
         """
-        rows = [("parameter", "storage", "compute", "rule", "grad", "param")]
+        rows: list[tuple[str, ...]] = [("parameter", "storage", "compute", "rule", "grad", "param")]
         for p in self.params:
             planned = dtype_name(p.compute)
             if p.gathered is None:

@@ -71,7 +71,6 @@ def _post_forward(output_dtype: torch.dtype) -> Callable[..., Any]:
     return hook
 
 
-
 def planned_params(plan: PrecisionPlan) -> dict[str, PlannedParam]:
     """Every FQN (aliases included) -> its planned parameter."""
     out: dict[str, PlannedParam] = {}

@@ -215,4 +215,3 @@ def verify_parity(
         grads_bitwise_expected=world in BITWISE_WORLD_SIZES,
         notes=notes,
     )
-
