@@ -319,14 +319,17 @@ def test_a_perturbed_gradient_or_gather_dtype_fails_the_report() -> None:
 )
 def test_tiny_config_runs_a_step(model_type: str) -> None:
     pytest.importorskip("transformers")
-    from fsdp_precision._cli._models import load_config, load_model, tiny_config
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    full = load_config(f"hf:{model_type}")
+    from fsdp_precision.testing import tiny_config
+
+    full = AutoConfig.for_model(model_type)
     tiny = tiny_config(full)
     assert type(tiny) is type(full) and tiny is not full
-    assert full.to_dict() == load_config(f"hf:{model_type}").to_dict()  # input untouched
+    assert full.to_dict() == AutoConfig.for_model(model_type).to_dict()  # input untouched
     torch.manual_seed(0)
-    model = load_model(f"hf:{model_type}", device="cpu", tiny=True, dtype=fp32)
+    auto = AutoModelForSeq2SeqLM if tiny.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_config(tiny, dtype=fp32)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
     ids = torch.randint(0, tiny.vocab_size, (2, 8))
     labels = torch.randint(0, tiny.vocab_size, (2, 6)) if tiny.is_encoder_decoder else ids

@@ -12,6 +12,8 @@ from fsdp_precision._compare import Comparison, compare, gradient_tolerance, los
 from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
 from fsdp_precision._parity_report import ParamParity, ParityReport
 from fsdp_precision._ranks import gather_across_ranks
+from fsdp_precision._tiny import TinyConfig, TinyDecoder
+from fsdp_precision._tiny_config import tiny_config
 from fsdp_precision._verify import verify_parity
 
 __all__: list[str] = [
@@ -22,10 +24,13 @@ __all__: list[str] = [
     "GatheredParam",
     "ParamParity",
     "ParityReport",
+    "TinyConfig",
+    "TinyDecoder",
     "compare",
     "gather_across_ranks",
     "gradient_tolerance",
     "loss_of",
     "output_of",
+    "tiny_config",
     "verify_parity",
 ]
