@@ -46,6 +46,7 @@ class Comparison:
         return rtol is not None and self.max_abs_diff <= rtol * self.scale
 
     def describe(self) -> str:
+        """``"bitwise"``, or the largest difference (``"3.05e-05"``)."""
         return "bitwise" if self.bitwise else f"{self.max_abs_diff:.3g}"
 
 
