@@ -22,10 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
-
-# The demo's model moves to the public fsdp_precision.testing (issue 13); the switch is this line:
-#   from fsdp_precision.testing import TinyConfig, TinyDecoder
-from fsdp_precision._cli._tiny import TinyConfig, TinyDecoder
+from fsdp_precision.testing import TinyConfig, TinyDecoder
 
 
 def local_bytes(tensors) -> int:

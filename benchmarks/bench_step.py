@@ -41,26 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_precision as fp
-
-# Helpers moving to the public fsdp_precision.testing (issue 13); the switch is this one block:
-#   from fsdp_precision.testing import CollectiveRecorder, TinyConfig, TinyDecoder
-#   from fsdp_precision.testing import wrap_separate_units
-from fsdp_precision._cli._demo import _wrap_reference
-from fsdp_precision._cli._tiny import TinyConfig, TinyDecoder
-from fsdp_precision._observe import CollectiveRecorder
-
-
-def wrap_separate_units(model: nn.Module, plan: fp.PrecisionPlan) -> None:
-    """``plan``'s kept parameters as their own fp32 units (the demo's reference builder)."""
-    names = {id(m): n for n, m in plan.model.named_modules()}
-    note = _wrap_reference(model, plan, names)
-    if note is not None:
-        raise SystemExit(f"separate units cannot express this plan: {note}")
-
+from fsdp_precision.testing import (
+    CollectiveRecorder,
+    TinyConfig,
+    TinyDecoder,
+    wrap_separate_units,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 RULES = fp.PrecisionRules(

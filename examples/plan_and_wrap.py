@@ -15,7 +15,7 @@ import torch.distributed as dist
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from fsdp_precision import Glob, PrecisionRules, compile_param_dtype_maps
-from fsdp_precision._observe import GatherProbe
+from fsdp_precision.testing import GatherProbe
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Parity of real architectures, wrapped by a compiled plan, against an unsharded reference.
 
-The check itself is the library's (:func:`fsdp_precision._verify.verify_parity`, which the
+The check itself is the library's (:func:`fsdp_precision.testing.verify_parity`, which the
 ``fsdp-precision verify`` command runs too): a reference that computes as FSDP does, identical
 inputs on every rank, one forward, backward and AdamW step, bitwise comparisons of the output,
 the loss, every gradient and every parameter after the step, and the dtype each parameter was
@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from _hf_models import ARCHS, wan_model
 from fsdp_precision import PrecisionRules, compile_param_dtype_maps, hf
-from fsdp_precision._verify import verify_parity
+from fsdp_precision.testing import verify_parity
 
 fp32 = torch.float32
 
@@ -37,7 +37,7 @@ def run_arch(name: str, *, stored_low: bool, autocast: bool = False) -> None:
         hf.cast_keeping_fp32(model, arch.dtype)
     rules = PrecisionRules(param_dtype=None if stored_low else arch.dtype, reduce_dtype=fp32)
     plan = compile_param_dtype_maps(model, rules)
-    kept = {p.fqn for u in plan.units for p in u.params if p.rule != "default"}
+    kept = {p.fqn for u in plan.units for p in u.params if p.kept}
     assert kept == declared, sorted(kept ^ declared)
     assert all(any(k in f for k in arch.kept) for f in kept), sorted(kept)
 

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import CollectiveRecorder
 from fsdp_precision._patch import torch_release
+from fsdp_precision.testing import CollectiveRecorder
 
 from _harness import collect_cases, distributed_suite
 from _models import bf16, fp32

@@ -136,43 +136,32 @@ def test_demo_names_a_kept_module_that_does_not_cast_its_inputs() -> None:
     assert "blocks.0.qkv.weight" in last and "the activation boundary is not moved" in last
 
 
-def _summary_of(*, nproc: int, resume_nproc: int, losses, expected, differ) -> int:
-    from fsdp_precision._cli._demo import DemoOptions, _summary
+def _resume_result(*, nproc: int, resume_nproc: int, losses, expected, differ):
+    from fsdp_precision._demo_results import ResumeResult
 
-    train = {
-        "output_dir": "/nowhere", "model": "m", "parameters": 10, "kept": ["a float32"],
-        "world_size": nproc, "backend": "gloo", "device": "cpu", "losses": [5.0, 4.0, 3.0, 2.0],
-        "parity": True, "reference_note": None, "gradients": 3, "counts": {}, "seconds": 1.0,
-    }  # fmt: skip
-    resume = {
-        "world_size": resume_nproc, "checkpoint_step": 2, "checkpoint_world_size": nproc,
-        "checkpoint_files": 3, "checkpoint_bytes": 2048, "losses": losses,
-        "expected_losses": expected, "parameters": 3, "differ": differ,
-        "max_abs_diff": 0.01 if differ else 0.0, "seconds": 1.0,
-    }  # fmt: skip
-    opts = DemoOptions(model="builtin", nproc=nproc, resume_nproc=resume_nproc, steps=4)
-    return _summary(opts, train, resume, 1.0)
+    return ResumeResult(
+        world_size=resume_nproc, checkpoint_step=2, checkpoint_world_size=nproc,
+        checkpoint_files=3, checkpoint_bytes=2048, losses=losses, expected_losses=expected,
+        parameters=3, differ=differ, max_abs_diff=0.01 if differ else 0.0, seconds=1.0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("nproc", "resume_nproc", "losses", "differ", "code"),
+    ("nproc", "resume_nproc", "losses", "differ", "ok"),
     [
-        (2, 1, [3.0, 2.0], [], 0),  # bitwise
-        (2, 1, [3.0, 2.0], ["w"], 1),  # one parameter differs where bitwise is expected
-        (2, 1, [3.0, 2.0000001], [], 1),  # a loss differs where bitwise is expected
-        (3, 2, [3.0, 2.0000001], ["w"], 0),  # 3 and 2 ranks sum in another order: tolerance
-        (3, 2, [3.0, 2.1], ["w"], 1),  # beyond the tolerance
+        (2, 1, [3.0, 2.0], [], True),  # bitwise
+        (2, 1, [3.0, 2.0], ["w"], False),  # one parameter differs where bitwise is expected
+        (2, 1, [3.0, 2.0000001], [], False),  # a loss differs where bitwise is expected
+        (3, 2, [3.0, 2.0000001], ["w"], True),  # 3 and 2 ranks sum in another order: tolerance
+        (3, 2, [3.0, 2.1], ["w"], False),  # beyond the tolerance
     ],
 )
-def test_demo_resume_verdict(capsys, nproc, resume_nproc, losses, differ, code):
-    got = _summary_of(
-        nproc=nproc,
-        resume_nproc=resume_nproc,
-        losses=losses,
-        expected=[3.0, 2.0],
-        differ=differ,
+def test_demo_resume_verdict(nproc, resume_nproc, losses, differ, ok):
+    result = _resume_result(
+        nproc=nproc, resume_nproc=resume_nproc, losses=losses, expected=[3.0, 2.0], differ=differ
     )
-    assert got == code, capsys.readouterr().out
+    assert result.ok is ok
+    assert result.bitwise_expected == ({nproc, resume_nproc} <= {1, 2})
 
 
 @requires_transformers_5
@@ -276,16 +265,13 @@ def test_demo_reference_refuses_a_map_separate_units_cannot_express() -> None:
     # dtypes, so the demo says why it skips the reference (and runs the resume check only).
     import torch.nn as nn
 
-    from fsdp_precision import Glob, PrecisionRules, compile_param_dtype_maps
-    from fsdp_precision._cli._demo import _wrap_reference
+    from fsdp_precision import Glob, ParamDtypeMapError, PrecisionRules, compile_param_dtype_maps
+    from fsdp_precision.testing import wrap_separate_units
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     plan = compile_param_dtype_maps(
         model, PrecisionRules(rules=(Glob("0.weight"),), hf_keep_in_fp32=False), [model]
     )
-    names = {id(m): n for n, m in model.named_modules()}
-    note = _wrap_reference(model, plan, names)
-    assert note == (
-        "separate units cannot express this map (0 also holds parameters in another dtype)"
-    )
+    with pytest.raises(ParamDtypeMapError, match=r"separate units cannot express this plan: "):
+        wrap_separate_units(model, plan)
     assert not hasattr(model, "_get_fsdp_state")  # refused before anything was wrapped

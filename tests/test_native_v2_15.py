@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
 from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import CollectiveRecorder, GatherProbe
 from fsdp_precision._patch import torch_release
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from _models import Block, bf16, fp16, fp32, fp64
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import CollectiveRecorder, GatherProbe
 from fsdp_precision._patch import torch_release
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from _harness import collect_cases, distributed_suite, unpatched
 from _models import (

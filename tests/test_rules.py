@@ -76,12 +76,12 @@ def test_module_class_rule_and_first_match_wins() -> None:
         ModuleClass(nn.LayerNorm),  # then: the biases and the root norm's weight
     )
     block = plan.units[0]
-    rules = {p.key: (p.compute, p.rule) for p in block.params if p.rule != "default"}
+    rules = {p.key: (p.compute, p.rule) for p in block.params if p.kept}
     assert rules == {
         "norm.weight": (fp16, "glob '*.norm.weight'"),
         "norm.bias": (fp32, "class LayerNorm"),
     }
-    root = {p.key: p.compute for p in plan.units[2].params if p.rule != "default"}
+    root = {p.key: p.compute for p in plan.units[2].params if p.kept}
     assert root == {"norm.weight": fp32, "norm.bias": fp32}
 
 
@@ -97,7 +97,7 @@ def test_user_rules_come_before_model_declarations() -> None:
     plan = compile_param_dtype_maps(
         model, PrecisionRules(param_dtype=fp16, rules=(Glob("encoder.block.0.*.wo.weight", bf16),))
     )
-    claims = {p.fqn: p.rule for u in plan.units for p in u.params if p.rule != "default"}
+    claims = {p.fqn: p.rule for u in plan.units for p in u.params if p.kept}
     assert claims["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == (
         "glob 'encoder.block.0.*.wo.weight'"
     )

@@ -20,8 +20,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import CollectiveRecorder
 from fsdp_precision._patch import torch_release
+from fsdp_precision.testing import CollectiveRecorder
 
 from _harness import collect_cases, distributed_suite, unpatched
 from _models import bf16, fp32, local

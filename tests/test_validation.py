@@ -9,8 +9,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._observe import GatherProbe
 from fsdp_precision._patch import torch_release
+from fsdp_precision.testing import GatherProbe
 
 from _models import Block, bf16, fp16, fp32, net
 

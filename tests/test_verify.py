@@ -19,9 +19,8 @@ import torch
 
 from _hf_models import requires_transformers_5
 from fsdp_precision._cli import main
-from fsdp_precision._cli._verify_cmd import format_report
 from fsdp_precision._patch import torch_release
-from fsdp_precision._verify import (
+from fsdp_precision.testing import (
     Comparison,
     ParamParity,
     ParityReport,
@@ -306,10 +305,7 @@ def test_a_perturbed_gradient_or_gather_dtype_fails_the_report() -> None:
         f"blocks.0.gate.weight: gradient differs (max |diff| {2.0**-24:.3g})",
         "norm.weight: all-gathered in bfloat16, planned float32",
     ]
-    text = format_report(
-        report.to_dict(),
-        {"spec": "m:f", "tiny": False, "numel": 10, "precision": "bf16", "torch": "x"},
-    )
+    text = report.format()
     assert "2 of 3 parameters differ from the unsharded reference (2 problems):" in text
     row = next(line.split() for line in text.splitlines() if line.startswith("norm.weight "))
     assert row[:5] == ["norm.weight", "float32", "bfloat16", "!=", "planned"]
@@ -323,14 +319,17 @@ def test_a_perturbed_gradient_or_gather_dtype_fails_the_report() -> None:
 )
 def test_tiny_config_runs_a_step(model_type: str) -> None:
     pytest.importorskip("transformers")
-    from fsdp_precision._cli._models import load_config, load_model, tiny_config
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    full = load_config(f"hf:{model_type}")
+    from fsdp_precision.testing import tiny_config
+
+    full = AutoConfig.for_model(model_type)
     tiny = tiny_config(full)
     assert type(tiny) is type(full) and tiny is not full
-    assert full.to_dict() == load_config(f"hf:{model_type}").to_dict()  # input untouched
+    assert full.to_dict() == AutoConfig.for_model(model_type).to_dict()  # input untouched
     torch.manual_seed(0)
-    model = load_model(f"hf:{model_type}", device="cpu", tiny=True, dtype=fp32)
+    auto = AutoModelForSeq2SeqLM if tiny.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_config(tiny, dtype=fp32)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
     ids = torch.randint(0, tiny.vocab_size, (2, 8))
     labels = torch.randint(0, tiny.vocab_size, (2, 6)) if tiny.is_encoder_decoder else ids

@@ -240,7 +240,7 @@ def case_fsdp_matches_manual_mapped_wrap() -> None:
 def recorded_step(model: nn.Module) -> tuple[int, int, int]:
     """(all-gathers, reduce-scatters, all-reduces) of one forward+backward, after a first one
     (which also lazily initialises FSDP)."""
-    from fsdp_precision._observe import CollectiveRecorder
+    from fsdp_precision.testing import CollectiveRecorder
 
     loss_of(model(inputs(0))).backward()
     with CollectiveRecorder() as rec:

@@ -27,422 +27,30 @@ on every rank and combined across ranks (the maximum), so a report holds for all
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fsdp_precision._dtypes import dtype_name
-from fsdp_precision._plan import PlannedParam, PrecisionPlan
-
-__all__ = [
-    "Comparison",
-    "ParamParity",
-    "ParityReport",
-    "Reference",
-    "compare",
-    "gradient_tolerance",
-    "loss_of",
-    "output_of",
-    "verify_parity",
-]
-
-#: Gradients are bitwise on these world sizes (with identical inputs on every rank).
-BITWISE_WORLD_SIZES = (1, 2)
-
-
-# --------------------------------------------------------------------------- comparisons
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """One tensor against its reference.
-
-    Attributes:
-        bitwise: Same dtype, shape and bits (``torch.equal``).
-        max_abs_diff: ``max |got - expected|`` in float64 (``inf`` for a shape or NaN mismatch).
-        scale: ``max |expected|``, the scale a tolerance is relative to.
-    """
-
-    bitwise: bool
-    max_abs_diff: float
-    scale: float
-
-    def within(self, rtol: float | None) -> bool:
-        """Bitwise, or (when ``rtol`` is given) ``max_abs_diff <= rtol * scale``."""
-        if self.bitwise:
-            return True
-        return rtol is not None and self.max_abs_diff <= rtol * self.scale
-
-    def describe(self) -> str:
-        return "bitwise" if self.bitwise else f"{self.max_abs_diff:.3g}"
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point():
-        return False
-    as_int = _SAME_SIZE_INT[a.element_size()]  # NaNs with the same bits are the same bits
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
-
-
-def compare(got: torch.Tensor, expected: torch.Tensor) -> Comparison:
-    """Compare two plain tensors: same dtype, shape and bits; the max absolute difference."""
-    finite = expected.detach()[torch.isfinite(expected.detach())] if expected.numel() else None
-    scale = float(finite.double().abs().max()) if finite is not None and finite.numel() else 0.0
-    if got.shape != expected.shape:
-        return Comparison(False, math.inf, scale)
-    same = _same_bits(got.detach(), expected.detach())
-    if same or not got.numel():
-        return Comparison(same, 0.0, scale)
-    diff = float((got.detach().double() - expected.detach().double()).abs().max())
-    return Comparison(False, diff if not math.isnan(diff) else math.inf, scale)
-
-
-def gradient_tolerance(world_size: int, reduce_dtype: torch.dtype) -> float | None:
-    """Relative tolerance of a reduced gradient: ``None`` (bitwise) on 1 and 2 ranks.
-
-    On N ranks FSDP sums N copies of the same gradient (in ``reduce_dtype``) and divides by N;
-    each of the N - 1 additions and the division rounds at most half an ulp, so
-    ``max |got - expected| <= N * eps(reduce_dtype) * max |expected|`` bounds it.
-    """
-    if world_size in BITWISE_WORLD_SIZES:
-        return None
-    return world_size * torch.finfo(reduce_dtype).eps
-
-
-# --------------------------------------------------------------------------- loss and outputs
-
-
-def output_of(out: Any) -> torch.Tensor:
-    """The tensor a model's output is judged by: ``logits``/``sample``, else the first tensor."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for name in ("logits", "sample", "last_hidden_state"):
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    leaves, _ = tree_flatten(out)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf
-    raise ValueError(f"the model returned no floating tensor ({type(out).__name__})")
-
-
-def loss_of(out: Any) -> torch.Tensor:
-    """``out.loss`` when the model computed one, else ``output_of(out).float().pow(2).mean()``."""
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    return output_of(out).float().pow(2).mean()
-
-
-# --------------------------------------------------------------------------- the reference
-
-
-def _cast_floating(dtype: torch.dtype | None) -> Callable[[Any], Any]:
-    def cast(x: Any) -> Any:  # FSDP's _cast_fp_tensor
-        if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(dtype) if x.dtype != dtype else x
-        return x
-
-    return cast
-
-
-class _Identity(torch.autograd.Function):
-    """FSDP routes each unit's grad-requiring inputs through an identity autograd node
-    (``RegisterPostBackwardFunction``); the reference does the same so that gradients meeting
-    from several uses are summed in the same order."""
-
-    @staticmethod
-    def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return grads
-
-
-def _pre_forward(cast_to: torch.dtype | None, identity: bool) -> Callable[..., Any]:
-    cast = _cast_floating(cast_to)
-
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        if not identity or not torch.is_grad_enabled():
-            return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if idx:
-            outs = _Identity.apply(*(flat[i] for i in idx))  # type: ignore[no-untyped-call]
-            for i, out in zip(idx, outs, strict=True):
-                flat[i] = out
-        return tree_unflatten(flat, spec)
-
-    return hook
-
-
-def _post_forward(output_dtype: torch.dtype) -> Callable[..., Any]:
-    cast = _cast_floating(output_dtype)
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return tree_map(cast, output)
-
-    return hook
-
-
-def _planned(plan: PrecisionPlan) -> dict[str, PlannedParam]:
-    """Every FQN (aliases included) -> its planned parameter."""
-    out: dict[str, PlannedParam] = {}
-    for unit in plan.units:
-        for p in unit.params:
-            for fqn in (p.fqn, *p.aliases):
-                out[fqn] = p
-    return out
-
-
-class Reference:
-    """An unsharded copy of ``plan.model`` that computes as the plan's FSDP units will.
-
-    Build it *before* ``plan.apply()``. ``module`` computes with each parameter in its planned
-    compute dtype; ``masters`` holds the storage-dtype copies the optimizer updates, keyed by
-    FQN (the first alias of a tied parameter).
-    """
-
-    def __init__(self, plan: PrecisionPlan) -> None:
-        model = plan.model
-        self.plan = plan
-        self.module: nn.Module = copy.deepcopy(model)
-        planned = _planned(plan)
-        self.masters: dict[str, nn.Parameter] = {}
-        with torch.no_grad():
-            for fqn, param in self.module.named_parameters():  # one name per tied parameter
-                self.masters[fqn] = nn.Parameter(
-                    param.detach().clone(), requires_grad=param.requires_grad
-                )
-                compute = planned[fqn].compute
-                if param.dtype != compute:
-                    param.data = param.data.to(compute)
-        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        for unit in plan.units:
-            policy = unit.policy
-            cast = policy.param_dtype if policy.cast_forward_inputs else None
-            for module in unit.modules:
-                ref = self.module.get_submodule(names[id(module)])
-                ref.register_forward_pre_hook(
-                    _pre_forward(cast, identity=bool(unit.params)), with_kwargs=True
-                )
-                if policy.output_dtype is not None:
-                    ref.register_forward_hook(_post_forward(policy.output_dtype))
-
-    def master_grads(self) -> dict[str, torch.Tensor | None]:
-        """Each compute-dtype gradient through its reduce dtype into its storage dtype."""
-        planned = _planned(self.plan)
-        grads: dict[str, torch.Tensor | None] = {}
-        for fqn, param in self.module.named_parameters():
-            p = planned[fqn]
-            if param.grad is None or p.reduce is None:
-                grads[fqn] = None
-                continue
-            grads[fqn] = param.grad.to(p.reduce).to(p.storage)
-        return grads
-
-
-# --------------------------------------------------------------------------- observing
-
-
-@dataclass
-class _Gathered:
-    dtype: torch.dtype
-    sharded: bool
-
-
-@contextmanager
-def _observe_gathers(plan: PrecisionPlan) -> Iterator[dict[str, _Gathered]]:
-    """Per unit, a forward pre-hook registered after FSDP's (which is prepended): it reads every
-    parameter of the unit right after the unit's all-gather, in the dtype FSDP delivered."""
-    model = plan.model
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    seen: dict[str, _Gathered] = {}
-
-    def hook_for(prefix: str, params: Sequence[PlannedParam]) -> Callable[..., None]:
-        from torch.distributed.tensor import DTensor
-
-        mine = [p for p in params if not prefix or p.fqn.startswith(prefix + ".")]
-
-        def hook(module: nn.Module, args: Any) -> None:
-            for p in mine:
-                if p.fqn not in seen:
-                    tensor = model.get_parameter(p.fqn)
-                    seen[p.fqn] = _Gathered(tensor.dtype, isinstance(tensor, DTensor))
-
-        return hook
-
-    handles = [
-        module.register_forward_pre_hook(hook_for(names[id(module)], unit.params))
-        for unit in plan.units
-        for module in unit.modules
-    ]
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-# --------------------------------------------------------------------------- the report
-
-
-@dataclass(frozen=True)
-class ParamParity:
-    """One parameter's results.
-
-    Attributes:
-        fqn: Root-relative FQN (the first alias of a tied parameter).
-        aliases: Other FQNs of the same parameter.
-        unit: The FSDP unit that manages it.
-        storage: Storage dtype (the sharded parameter's dtype).
-        compute: Planned compute dtype.
-        gathered: Dtype observed after the unit's all-gather (``None``: the unit never ran).
-        rule: What decided the compute dtype (``"default"``: the unit's ``param_dtype``).
-        grad: Gradient against the reference (``None``: no gradient on either side).
-        param: Parameter after the optimizer step against the reference's master copy.
-        grad_rtol: Tolerance the gradient was held to (``None``: bitwise).
-        gathered_sharded: Still a DTensor shard right after its unit's all-gather.
-    """
-
-    fqn: str
-    aliases: tuple[str, ...]
-    unit: str
-    storage: torch.dtype
-    compute: torch.dtype
-    gathered: torch.dtype | None
-    rule: str
-    grad: Comparison | None
-    param: Comparison
-    grad_rtol: float | None = None
-    gathered_sharded: bool = False
-
-    def problems(self) -> list[str]:
-        """What is wrong with this parameter (empty when nothing is)."""
-        out = []
-        if self.gathered is not None and self.gathered != self.compute:
-            out.append(
-                f"all-gathered in {dtype_name(self.gathered)}, planned {dtype_name(self.compute)}"
-            )
-        if self.gathered_sharded:
-            out.append("still sharded after its unit's all-gather")
-        if self.grad is not None and not self.grad.within(self.grad_rtol):
-            out.append(f"gradient differs (max |diff| {self.grad.max_abs_diff:.3g})")
-        if not self.param.bitwise:
-            diff = self.param.max_abs_diff
-            out.append(f"parameter after the step differs (max |diff| {diff:.3g})")
-        return out
-
-
-@dataclass(frozen=True)
-class ParityReport:
-    """What :func:`verify_parity` found, identical on every rank.
-
-    Attributes:
-        model: Class name of the model.
-        world_size: Ranks the model was sharded over.
-        rules: ``PrecisionRules.describe()`` of the plan.
-        units: Number of FSDP units (``fully_shard`` calls with parameters).
-        loss: The FSDP model's loss (rank 0's).
-        reference_loss: The reference's loss.
-        loss_match: Losses bitwise equal on every rank.
-        output_match: Outputs (logits) bitwise equal on every rank.
-        params: One entry per parameter, in ``named_parameters()`` order.
-        optimizer: The optimizer step taken, e.g. ``"AdamW(lr=0.001)"``.
-        grads_bitwise_expected: Whether the world size allows bitwise gradients.
-        notes: Remarks that are not failures (a gradient on one side only is both).
-    """
-
-    model: str
-    world_size: int
-    rules: str
-    units: int
-    loss: float
-    reference_loss: float
-    loss_match: bool
-    output_match: bool
-    params: list[ParamParity]
-    optimizer: str
-    grads_bitwise_expected: bool
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Everything matched (within the stated tolerance where N is not 1 or 2)."""
-        return self.loss_match and self.output_match and not any(p.problems() for p in self.params)
-
-    def problems(self) -> list[str]:
-        """One line per problem found."""
-        out = []
-        if not self.loss_match:
-            out.append(f"loss {self.loss!r} != reference {self.reference_loss!r}")
-        if not self.output_match:
-            out.append("model output differs from the reference's")
-        for p in self.params:
-            out.extend(f"{p.fqn}: {problem}" for problem in p.problems())
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-
-        def cmp(c: Comparison | None) -> dict[str, Any] | None:
-            if c is None:
-                return None
-            diff = c.max_abs_diff if math.isfinite(c.max_abs_diff) else None
-            return {"bitwise": c.bitwise, "max_abs_diff": diff, "scale": c.scale}
-
-        return {
-            "model": self.model,
-            "world_size": self.world_size,
-            "rules": self.rules,
-            "units": self.units,
-            "optimizer": self.optimizer,
-            "grads_bitwise_expected": self.grads_bitwise_expected,
-            "loss": self.loss,
-            "reference_loss": self.reference_loss,
-            "loss_bitwise": self.loss_match,
-            "output_bitwise": self.output_match,
-            "ok": self.ok,
-            "problems": self.problems(),
-            "notes": list(self.notes),
-            "params": [
-                {
-                    "fqn": p.fqn,
-                    "aliases": list(p.aliases),
-                    "unit": p.unit,
-                    "storage": dtype_name(p.storage),
-                    "compute": dtype_name(p.compute),
-                    "gathered": dtype_name(p.gathered) if p.gathered is not None else None,
-                    "rule": p.rule,
-                    "grad": cmp(p.grad),
-                    "grad_rtol": p.grad_rtol,
-                    "param": cmp(p.param),
-                    "ok": not p.problems(),
-                }
-                for p in self.params
-            ],
-        }
-
-
-# --------------------------------------------------------------------------- the check
+from fsdp_precision._compare import (
+    BITWISE_WORLD_SIZES,
+    Comparison,
+    compare,
+    gradient_tolerance,
+    loss_of,
+    output_of,
+)
+from fsdp_precision._observe import GatherProbe
+from fsdp_precision._parity_report import ParamParity, ParityReport
+from fsdp_precision._ranks import gather_across_ranks
+from fsdp_precision._records import PrecisionPlan
+from fsdp_precision._reference import Reference, planned_params
+
+__all__ = ["verify_parity"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -451,12 +59,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+@dataclass(frozen=True)
+class _Seen:
+    """What one rank saw; every rank's is gathered and the worst of them reported."""
+
+    loss_match: bool
+    output_match: bool
+    grads: dict[str, Comparison | None]
+    after: dict[str, Comparison]
+    sharded: frozenset[str]  # FQNs still sharded right after their unit's all-gather
+
+
+def _worst(mine: Comparison, everyone: list[Comparison]) -> Comparison:
+    """``mine`` (and its scale), bitwise only if bitwise on every rank, the largest difference."""
+    return replace(
+        mine,
+        bitwise=all(c.bitwise for c in everyone),
+        max_abs_diff=max(c.max_abs_diff for c in everyone),
+    )
 
 
 def verify_parity(
@@ -493,11 +113,11 @@ def verify_parity(
     name = type(model).__name__  # fully_shard changes the class to FSDP<name>
     reference = Reference(plan)
     plan.apply(**fully_shard_kwargs)
-    planned = _planned(plan)
+    planned = planned_params(plan)
     unit_of = {p.fqn: u.name for u in plan.units for p in u.params}
 
     with ExitStack() as stack:
-        seen = stack.enter_context(_observe_gathers(plan))
+        seen = stack.enter_context(GatherProbe(model)).seen
         stack.enter_context(make_context())
         torch.manual_seed(seed)
         out = model(**inputs)
@@ -552,21 +172,19 @@ def verify_parity(
         )
 
     # Combine across ranks: the worst of every rank.
-    order = list(params)
-    flat: list[float] = [0.0 if loss_match else 1.0, 0.0 if output_match else 1.0]
-    for fqn in order:
-        g, a = grads[fqn], after[fqn]
-        flat += [0.0 if g is None or g.bitwise else 1.0, g.max_abs_diff if g else 0.0]
-        flat += [0.0 if a.bitwise else 1.0, a.max_abs_diff]
-        gathered = seen.get(fqn)
-        flat += [1.0 if gathered is not None and gathered.sharded else 0.0]
-    flat = _max_over_ranks(flat)
-    loss_match, output_match = flat[0] == 0.0, flat[1] == 0.0
+    mine = _Seen(
+        loss_match=loss_match,
+        output_match=output_match,
+        grads=grads,
+        after=after,
+        sharded=frozenset(f for f, g in seen.items() if g.sharded),
+    )
+    everyone = gather_across_ranks(mine)
     results = []
-    for i, fqn in enumerate(order):
-        g_bad, g_diff, a_bad, a_diff, sharded = flat[2 + 5 * i : 7 + 5 * i]
+    for fqn in params:
         p = planned[fqn]
         g = grads[fqn]
+        ranks_g = [c for r in everyone if (c := r.grads[fqn]) is not None]
         gathered = seen.get(fqn)
         results.append(
             ParamParity(
@@ -577,10 +195,10 @@ def verify_parity(
                 compute=p.compute,
                 gathered=gathered.dtype if gathered is not None else None,
                 rule=p.rule,
-                grad=None if g is None else Comparison(g_bad == 0.0, g_diff, g.scale),
-                param=Comparison(a_bad == 0.0, a_diff, after[fqn].scale),
+                grad=None if g is None else _worst(g, ranks_g),
+                param=_worst(after[fqn], [r.after[fqn] for r in everyone]),
                 grad_rtol=gradient_tolerance(world, p.reduce) if p.reduce is not None else None,
-                gathered_sharded=sharded != 0.0,
+                gathered_sharded=any(fqn in r.sharded for r in everyone),
             )
         )
     return ParityReport(
@@ -590,8 +208,8 @@ def verify_parity(
         units=len([u for u in plan.units if u.params]),
         loss=float(loss.detach()),
         reference_loss=float(ref_loss.detach()),
-        loss_match=loss_match,
-        output_match=output_match,
+        loss_match=all(r.loss_match for r in everyone),
+        output_match=all(r.output_match for r in everyone),
         params=results,
         optimizer=f"AdamW(lr={lr:g})",
         grads_bitwise_expected=world in BITWISE_WORLD_SIZES,

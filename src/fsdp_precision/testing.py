@@ -1,13 +1,40 @@
-"""Check your own model the way this library checks itself.
+"""Check your own model the way this library checks itself (see docs/testing.md).
 
-Public, documented helpers for tests, examples, benchmarks and the CLI: the separate-units
-reference (the public-API way to keep parameters in another dtype), the gather observer (what each
-unit really all-gathers, seen in forward pre-hooks), the collective recorder (every all-gather and
-reduce-scatter, with dtype and bytes) and typed results gathered across ranks.
+Observe, do not infer: :func:`verify_parity` (one step of the plan-wrapped model against an
+unsharded reference that computes as FSDP does, per parameter), :class:`GatherProbe` (what each
+FSDP unit really all-gathered, read in forward pre-hooks), :class:`CollectiveRecorder` (every
+all-gather and reduce-scatter with dtype and bytes), :func:`gather_across_ranks` (typed results
+from every rank), and small test models (:class:`TinyDecoder`, :func:`tiny_config`). The CLI,
+the tests, the examples and the benchmarks use these same names.
 """
 
 from __future__ import annotations
 
+from fsdp_precision._compare import Comparison, compare, gradient_tolerance, loss_of, output_of
+from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
+from fsdp_precision._parity_report import ParamParity, ParityReport
+from fsdp_precision._ranks import gather_across_ranks
 from fsdp_precision._separate import wrap_separate_units
+from fsdp_precision._tiny import TinyConfig, TinyDecoder
+from fsdp_precision._tiny_config import tiny_config
+from fsdp_precision._verify import verify_parity
 
-__all__: list[str] = ["wrap_separate_units"]
+__all__: list[str] = [
+    "Collective",
+    "CollectiveRecorder",
+    "Comparison",
+    "GatherProbe",
+    "GatheredParam",
+    "ParamParity",
+    "ParityReport",
+    "TinyConfig",
+    "TinyDecoder",
+    "compare",
+    "gather_across_ranks",
+    "gradient_tolerance",
+    "loss_of",
+    "output_of",
+    "tiny_config",
+    "verify_parity",
+    "wrap_separate_units",
+]

@@ -11,8 +11,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._rules import Glob
-
-from ._tiny import TinyConfig, TinyDecoder
+from fsdp_precision._tiny import TinyConfig, TinyDecoder
 
 __all__ = [
     "DemoModel",

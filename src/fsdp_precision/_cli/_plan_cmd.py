@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_precision._config import DistributedConfig
-from fsdp_precision._plan import PrecisionPlan
+from fsdp_precision._memory import memory_per_rank
 from fsdp_precision._rules import Glob
 from fsdp_precision._wrap import plan_model_for_training
 
 from ._models import load_model
 
-__all__ = ["PlanOptions", "memory_per_rank", "run_plan"]
+__all__ = ["PlanOptions", "run_plan"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,22 +42,6 @@ def _parse_rule(text: str) -> Glob:
     if dtype not in _DTYPES:
         raise ValueError(f"--keep {text!r}: dtype {dtype!r} is not one of fp32, bf16, fp16")
     return Glob(pattern, _DTYPES[dtype])
-
-
-def memory_per_rank(plan: PrecisionPlan) -> dict[str, int]:
-    """Bytes per rank: sharded params, grads, AdamW state, and the peak of gathered units."""
-    ws = plan.world_size
-    params = sum(p.padded_numel(ws) * p.storage.itemsize for u in plan.units for p in u.params)
-    trainable = sum(
-        p.padded_numel(ws) for u in plan.units for p in u.params if p.reduce is not None
-    )
-    gathered = sorted((sum(u.gather_bytes(ws).values()) for u in plan.units), reverse=True)
-    return {
-        "params": params // ws,
-        "grads": params // ws,
-        "adamw_state": 2 * 4 * trainable // ws,
-        "gathered_peak": sum(gathered[:2]),  # the unit computing and the one prefetched
-    }
 
 
 def run_plan(opts: PlanOptions) -> int:

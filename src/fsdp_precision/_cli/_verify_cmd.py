@@ -3,7 +3,7 @@
 The parent process validates everything it can on the meta device (the model, the rules, the
 plan at the requested world size, where the inputs come from), so that mistakes are one-line
 errors before any process starts; then N gloo processes build the model, wrap it and run
-:func:`fsdp_precision._verify.verify_parity`; the parent prints rank 0's report.
+:func:`fsdp_precision.testing.verify_parity`; the parent prints rank 0's report.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import importlib
 import inspect
 import json
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fsdp_precision._compile import compile_param_dtype_maps, default_units
 from fsdp_precision._config import DistributedConfig
 from fsdp_precision._hf import library_of
-from fsdp_precision._plan import PrecisionPlan, compile_param_dtype_maps, default_units
+from fsdp_precision._parity_report import ParityReport
+from fsdp_precision._records import PrecisionPlan
 from fsdp_precision._wrap import auto_wrap_units
 
 from ._launch import is_rank0, launch, process_group
@@ -157,13 +158,13 @@ def run_verify(opts: VerifyOptions) -> int:
             "torch": torch.__version__,
         }
         if opts.as_json:
-            print(json.dumps({**header, **report}, indent=2))
+            print(json.dumps({**header, **report.to_dict()}, indent=2))
         else:
             print(format_report(report, header))
-    return 0 if report["ok"] else 1
+    return 0 if report.ok else 1
 
 
-def _rank(opts: VerifyOptions) -> dict[str, Any]:
+def _rank(opts: VerifyOptions) -> ParityReport:
     from fsdp_precision._patch import apply_param_dtype_map_patch
     from fsdp_precision._verify import verify_parity
 
@@ -172,86 +173,25 @@ def _rank(opts: VerifyOptions) -> dict[str, Any]:
         apply_param_dtype_map_patch()
         model, plan = _build(opts, "cpu")
         inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
-        report = verify_parity(plan, inputs, seed=opts.seed)
-    return report.to_dict()
+        return verify_parity(plan, inputs, seed=opts.seed)
 
 
 # --------------------------------------------------------------------------- presentation
 
 
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
-
-
-def _cell(result: dict[str, Any] | None) -> str:
-    if result is None:
-        return "no grad"
-    if result["bitwise"]:
-        return "bitwise"
-    diff = result["max_abs_diff"]
-    return f"{diff:.2e}" if diff is not None else "mismatch"
-
-
-def _plural(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
-def format_report(report: dict[str, Any], header: dict[str, Any]) -> str:
-    """The human report: header, one row per parameter, one summary line."""
-    world = report["world_size"]
+def format_report(report: ParityReport, header: dict[str, Any]) -> str:
+    """The human report: header, then the report's table and summary line."""
+    world = report.world_size
     size = "tiny config" if header["tiny"] else "as built"
+    processes = f"{world} process" if world == 1 else f"{world} processes"
     lines = [
-        f"fsdp-precision verify {header['spec']}: {report['model']} ({size}, "
-        f"{header['numel']:,} parameters), {_plural(world, 'process', 'processes')} (gloo, "
-        f"CPU), torch {header['torch']}",
-        f"plan: {report['units']} FSDP units; {report['rules']}",
-        f"step: forward, backward, {report['optimizer']} on the same inputs on every rank; "
-        f"loss {report['loss']:.6f}, reference {report['reference_loss']:.6f} "
-        f"({'bitwise' if report['loss_bitwise'] else 'DIFFERENT'})",
+        f"fsdp-precision verify {header['spec']}: {report.model} ({size}, "
+        f"{header['numel']:,} parameters), {processes} (gloo, CPU), torch {header['torch']}",
+        f"plan: {report.units} FSDP units; {report.rules}",
+        f"step: forward, backward, {report.optimizer} on the same inputs on every rank; "
+        f"loss {report.loss:.6f}, reference {report.reference_loss:.6f} "
+        f"({'bitwise' if report.loss_match else 'DIFFERENT'})",
         "",
+        report.format(max_problems=_MAX_PROBLEMS, rest="--json lists all"),
     ]
-    rows = [("parameter", "storage", "compute", "rule", "grad", "param")]
-    for p in report["params"]:
-        compute = p["gathered"] or f"{p['compute']} (planned; unit not run)"
-        if p["gathered"] and p["gathered"] != p["compute"]:
-            compute = f"{p['gathered']} != planned {p['compute']}"
-        rows.append(
-            (p["fqn"], p["storage"], compute, p["rule"], _cell(p["grad"]), _cell(p["param"]))
-        )
-    lines += _table(rows)
-    lines.append("")
-    n = len(report["params"])
-    if report["ok"] and report["grads_bitwise_expected"]:
-        lines.append(
-            f"{n} parameters: all bitwise identical to the unsharded reference on "
-            f"{'all ' if world > 1 else ''}{_plural(world, 'rank', 'ranks')} (loss, output, "
-            "gradients, parameters after the step; all-gathered in their planned compute dtype)"
-        )
-    elif report["ok"]:
-        rtols = sorted({p["grad_rtol"] for p in report["params"] if p["grad_rtol"]})
-        bound = " or ".join(f"{r:.2e}" for r in rtols)
-        differ = sum(1 for p in report["params"] if p["grad"] and not p["grad"]["bitwise"])
-        lines.append(
-            f"{n} parameters match the unsharded reference on all {world} ranks: loss, output "
-            f"and parameters after the step bitwise (the reference optimizer stepped on FSDP's "
-            f"gradients); gradients within {bound} x max|grad|, {differ} of {n} not bitwise "
-            f"(on {world} ranks the reduction may round; bitwise is guaranteed on 1 or 2)"
-        )
-    else:
-        problems = report["problems"]
-        bad = sum(1 for p in report["params"] if not p["ok"])
-        lines.append(
-            f"{bad} of {n} parameters differ from the unsharded reference "
-            f"({_plural(len(problems), 'problem', 'problems')}):"
-        )
-        lines += [f"  {problem}" for problem in problems[:_MAX_PROBLEMS]]
-        if len(problems) > _MAX_PROBLEMS:
-            lines.append(f"  ... and {len(problems) - _MAX_PROBLEMS} more (--json lists all)")
-    lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)

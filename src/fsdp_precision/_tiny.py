@@ -1,4 +1,6 @@
-"""The demo's built-in model: a small decoder-only transformer with an MoE-style router."""
+"""A small decoder-only transformer with an MoE-style router: the demo's built-in model, and a
+test model with what precision rules are about (RMSNorms that compute in fp32, a router that
+computes in its own weight's dtype). Public through :mod:`fsdp_precision.testing`."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ __all__ = ["TinyConfig", "TinyDecoder"]
 
 @dataclass(frozen=True, kw_only=True)
 class TinyConfig:
-    """Size of the demo model."""
+    """Size of a :class:`TinyDecoder`.
+
+    Attributes:
+        vocab: Vocabulary size. (Default: 256)
+        dim: Model width; a multiple of ``heads``. (Default: 64)
+        depth: Transformer blocks. (Default: 2)
+        heads: Attention heads. (Default: 4)
+        experts: MoE experts per block, mixed by the router's softmax. (Default: 2)
+        seq: Tokens per sequence the demo feeds. (Default: 32)
+    """
 
     vocab: int = 256
     dim: int = 64
@@ -39,6 +50,8 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention, then a softmax-routed mixture of ``experts`` MLPs."""
+
     def __init__(self, cfg: TinyConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
@@ -70,6 +83,15 @@ class Block(nn.Module):
 
 
 class TinyDecoder(nn.Module):
+    """``embed``, ``blocks`` of :class:`Block`, a final ``norm`` and ``head``: token ids in,
+    logits out. Keep ``*norm.weight`` and ``*router.weight`` in fp32 inside bf16 units: their
+    forwards read fp32 weights and return the activation dtype.
+
+    >>> model = TinyDecoder(TinyConfig(dim=32, depth=1))
+    >>> tuple(model(torch.zeros(2, 8, dtype=torch.long)).shape)
+    (2, 8, 256)
+    """
+
     #: Blocks are never split into smaller FSDP units (the convention transformers models use).
     _no_split_modules = ("Block",)
 
@@ -89,5 +111,6 @@ class TinyDecoder(nn.Module):
         return logits
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``tokens`` (``(batch, seq + 1)`` ids), in fp32."""
         logits: torch.Tensor = self(tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

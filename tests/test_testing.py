@@ -1,0 +1,100 @@
+"""``fsdp_precision.testing``: the observers and typed results themselves, on two gloo ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from fsdp_precision import ParamDtypeMixedPrecisionPolicy, PrecisionRules, compile_param_dtype_maps
+from fsdp_precision.testing import GatherProbe, gather_across_ranks, verify_parity
+
+from _harness import collect_cases, distributed_suite
+
+bf16, fp32 = torch.bfloat16, torch.float32
+
+
+@dataclass(frozen=True)
+class _Record:
+    rank: int
+    values: tuple[float, ...]
+
+
+def case_gather_across_ranks_returns_every_rank_typed_in_rank_order() -> None:
+    mine = _Record(dist.get_rank(), (float(dist.get_rank()), 0.5))
+    everyone = gather_across_ranks(mine)
+    assert everyone == [_Record(r, (float(r), 0.5)) for r in range(dist.get_world_size())]
+    assert everyone[dist.get_rank()] == mine
+
+
+class _Functional(nn.Module):
+    """The root reads ``head.weight`` itself: ``head``'s own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.block(x).float(), self.head.weight)
+
+
+def case_probe_reads_every_parameter_its_unit_holds() -> None:
+    model = _Functional()
+    policy = ParamDtypeMixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    fully_shard(model.block, mp_policy=policy)
+    mapped = ParamDtypeMixedPrecisionPolicy(
+        param_dtype=bf16, reduce_dtype=fp32, param_dtype_map={"head.weight": fp32}
+    )
+    fully_shard(model, mp_policy=mapped)
+    with GatherProbe(model) as probe:
+        model(torch.randn(3, 8)).sum().backward()
+    # Seen at the root unit's pre-forward, unsharded, though no module forward reads it (a probe
+    # hooked on each module's own forward would miss it).
+    head = probe.seen["head.weight"]
+    assert (head.unit, head.dtype, head.shape, head.numel, head.sharded) == (
+        "",
+        fp32,
+        (4, 8),
+        32,
+        False,
+    )
+    assert probe.by_unit() == {"block": {bf16: 72}, "": {fp32: 32}}
+    model(torch.randn(3, 8))  # removed on exit: nothing more is recorded
+    assert set(probe.seen) == {"head.weight", "block.weight", "block.bias"}
+
+
+class _PerturbedOnRank1(nn.Module):
+    """Negative control: only rank 1's wrapped model adds 1 to its output."""
+
+    def __init__(self, perturb: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.perturb = perturb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x)
+        if self.perturb and dist.get_rank() == 1 and isinstance(self, FSDPModule):
+            out = out + 1
+        return out
+
+
+def case_verify_reports_the_worst_rank_on_every_rank() -> None:
+    for perturb in (False, True):
+        torch.manual_seed(0)
+        model = _PerturbedOnRank1(perturb)
+        plan = compile_param_dtype_maps(model, PrecisionRules(), [model])
+        inputs = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))}
+        report = verify_parity(plan, inputs)
+        # Rank 0's own output and loss match; the report still holds rank 1's mismatch.
+        assert report.ok is not perturb, report.format()
+        assert report.loss_match is not perturb and report.output_match is not perturb
+
+
+CASES = collect_cases(globals())
+
+results, test_two_ranks = distributed_suite(2, __name__, CASES)
