@@ -41,9 +41,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The torch releases (major.minor) with a release module, oldest first. Release ``X.Y`` lives in
-#: ``v{X}_{Y}.py``; what differs between releases is in each module's ``TRAITS``.
 SUPPORTED_RELEASES: tuple[str, ...] = ("2.11", "2.12", "2.13", "2.14", "2.15")
+"""The torch releases (``major.minor``, any patch level and build) this library supports, oldest
+first. Release ``X.Y`` lives in ``_patch/v{X}_{Y}.py``; what differs is in its ``TRAITS``."""
 
 _lock = threading.Lock()
 _applied: ReleaseTraits | None = None  # the installed release's traits, while installed
