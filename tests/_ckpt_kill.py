@@ -81,6 +81,15 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        run(directory, point)
+    finally:
+        # Without it gloo's worker threads can outlive the interpreter: SIGABRT at exit
+        # ("terminate called without an active exception"), seen on torch 2.11.
+        dist.destroy_process_group()
+
+
+def run(directory: Path, point: str) -> None:
     fp.apply_param_dtype_map_patch()
     if point == "verify":
         verify(directory, int(sys.argv[3]))
