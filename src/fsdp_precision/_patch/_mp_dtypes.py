@@ -24,10 +24,6 @@ from ._tags import MAPPED_UNIT_ATTR, mapped_dtype
 
 __all__ = ["init_mp_dtypes"]
 
-# 2.15 (``mixed_dtype_reduce``) needs no ``_orig_dtype``: its ``foreach_reduce`` casts each
-# gradient run to its parameter's ``sharded_grad_dtype`` (the storage dtype unless the user set
-# ``grad_dtype``), which ``init_dtype_attrs`` set per parameter above.
-
 _per_param_policies: dict[tuple[Hashable, torch.dtype], MixedPrecisionPolicy] = {}
 
 
@@ -55,7 +51,7 @@ def init_mp_dtypes(self: Any) -> None:
         base = fsdp_param.mp_policy  # the unit's policy, on every release
         policy = base if mapped is None else _policy_for(base, mapped)
         # Upstream clamps: param_dtype -> None when equal to storage or (2.12+) non-floating;
-        # reduce_dtype -> None when equal to this parameter's compute dtype.
+        # before 2.15, reduce_dtype -> None when equal to this parameter's compute dtype.
         fsdp_param.init_dtype_attrs(policy)
     trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
     # A unit frozen at its first forward may be unfrozen later: take its floating parameters
@@ -75,6 +71,8 @@ def init_mp_dtypes(self: Any) -> None:
         )
     release = _install.traits()
     if release.mixed_dtype_reduce:
+        # 2.15 needs no _orig_dtype: its foreach_reduce casts each gradient run to its
+        # parameter's sharded_grad_dtype, which init_dtype_attrs set per parameter above.
         _init_grad_dtype_state(self)
     else:
         orig_dtypes = {p.orig_dtype for p in trainable}
