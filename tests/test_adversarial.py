@@ -13,7 +13,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._patch import torch_release
 from fsdp_precision.testing import CollectiveRecorder
 
 from _harness import collect_cases, distributed_suite
@@ -21,12 +20,6 @@ from _models import bf16, fp32
 
 DIMS = (7, 97, 101, 103)
 
-# torch 2.15 runs maps through its native param_dtype_override_fn, which allows only
-# param_dtype (bf16 here) or the storage dtype (fp32), with one storage dtype per unit for
-# trainable parameters. On 2.15 the matrix is what it can express; everything else is refused
-# by name before sharding (tests/test_native_v2_15.py). 2.11-2.14 take the whole matrix.
-NATIVE = torch_release() == "2.15"
-NATIVE_MATRIX = (fp32, bf16)
 COLS = 3
 
 
@@ -66,12 +59,12 @@ def run_matrix(mesh_shape: tuple[int, ...]) -> None:
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     shard_size = mesh_shape[-1]
-    matrix = list(NATIVE_MATRIX if NATIVE else MAPPABLE_DTYPES)
+    matrix = list(MAPPABLE_DTYPES)
     for offset in range(len(matrix)):
         mapped = [matrix[(offset + j) % len(matrix)] for j in range(len(DIMS))]
         # Four fp32-stored probes with mapped dtypes, one probe left unmapped: stored in bf16
-        # (mixed storage), except on 2.15, which requires one storage dtype per unit.
-        model = Probes([fp32] * len(DIMS) + [fp32 if NATIVE else bf16])
+        # (mixed storage).
+        model = Probes([fp32] * len(DIMS) + [bf16])
         ignored = {model.ints, model.flags, model.phase}
         frozen = {n: p.detach().clone() for n, p in model.named_parameters() if p in ignored}
         dtype_map = {f"probes.{j}.w": d for j, d in enumerate(mapped)}

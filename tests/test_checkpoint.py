@@ -41,7 +41,6 @@ from fsdp_precision import (
     save_checkpoint,
 )
 from fsdp_precision._checkpoint import METADATA_FILE
-from fsdp_precision._patch import torch_release
 from test_parity import wrap_mapped
 
 from _harness import check, run_cases
@@ -56,18 +55,12 @@ def root() -> Path:
     return Path(os.environ[CKPT_ROOT_ENV])
 
 
-# torch 2.15 runs mapped units through its native override, which asserts one storage dtype per
-# unit for trainable parameters (docs/compatibility.md): there the model is stored in fp32 and
-# computes in bf16 with the kept parameters mapped to fp32. Elsewhere storage itself is mixed.
-NATIVE_2_15 = torch_release() == "2.15"
-STORAGE_DTYPES = {fp32} if NATIVE_2_15 else {bf16, fp32}
+STORAGE_DTYPES = {bf16, fp32}
 
 
 def mixed(seed: int = 0) -> nn.Module:
     """Stored in bf16, with norms and routers stored in fp32 inside the same units."""
     model = net(seed)
-    if NATIVE_2_15:
-        return model
     model.to(bf16)
     for block in model.blocks:
         block.norm.float()
@@ -79,7 +72,7 @@ def mixed(seed: int = 0) -> nn.Module:
 def wrap(model: nn.Module, mesh: Any = None) -> nn.Module:
     """One unit per block and the root, fp32 kept by FQN map (as test_parity does); with
     param_dtype=None every parameter computes in its own storage dtype."""
-    return wrap_mapped(model, param_dtype=bf16 if NATIVE_2_15 else None, mesh=mesh)
+    return wrap_mapped(model, param_dtype=None, mesh=mesh)
 
 
 def make(seed: int = 0, mesh: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:

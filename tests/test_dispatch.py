@@ -101,8 +101,8 @@ def test_every_release_module_hashes_every_target(module: object) -> None:
 
 # How many functions each release hashes: the targets computed from the traits must stay those
 # the release modules were generated with (2.11 also hashes its compiled-autograd switch; 2.15
-# hashes the native machinery instead of the patched one).
-HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 16}
+# hashes its native override, its mixed-dtype reduction and what its two replacements rely on).
+HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 33}
 
 
 @pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
@@ -118,17 +118,23 @@ def test_targets_follow_the_traits(module: object) -> None:
     assert native == traits.native_override
     lazy_init = any(t.endswith(":FSDPParamGroup.lazy_init") for t in hashed)
     assert lazy_init == traits.patches_precision
+    # foreach_reduce is replaced (listed among the first four) unless the release reduces mixed
+    # gradient dtypes itself; it is hashed either way.
+    reduce_index = hashed.index(
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives:foreach_reduce"
+    )
+    assert (reduce_index < 4) == (not traits.mixed_dtype_reduce)
 
 
 # Every trait of every release, as docs/how-it-works.md tables them (the release modules name
 # only where they differ from the defaults, so a changed default shows here).
 TRAIT_TABLE = {
-    #         groups list, requires_grad, clamp, compiled, results, native, patches
-    "2.11": (False, False, False, True, 6, False, True),
-    "2.12": (True, True, True, False, 6, False, True),
-    "2.13": (True, True, True, False, 7, False, True),
-    "2.14": (True, True, True, False, 7, False, True),
-    "2.15": (True, True, True, False, 7, True, False),
+    #         groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce
+    "2.11": (False, False, False, True, 6, False, True, False),
+    "2.12": (True, True, True, False, 6, False, True, False),
+    "2.13": (True, True, True, False, 7, False, True, False),
+    "2.14": (True, True, True, False, 7, False, True, False),
+    "2.15": (True, True, True, False, 7, True, True, True),
 }
 
 
@@ -144,6 +150,10 @@ def test_release_traits_are_the_documented_ones(module: object) -> None:
     [
         ({"foreach_reduce_results": 8}, r"foreach_reduce_results is 8; .*6 values .* or 7"),
         ({"native_override": False, "patches_precision": False}, r"native_override or patches"),
+        (
+            {"foreach_reduce_results": 6},
+            r"mixed_dtype_reduce \(2\.15\) needs foreach_reduce_results=7",
+        ),
     ],
 )
 def test_inconsistent_traits_are_refused(change: dict[str, object], message: str) -> None:
@@ -204,18 +214,17 @@ def test_apply_is_idempotent_and_remove_restores_originals(
     group_cls = _fsdp_param_group.FSDPParamGroup
     watched = (
         (_fully_shard, "_init_param_group"),  # wrapped on every release
-        (group_cls, "_init_mp_dtypes"),  # replaced on 2.11-2.14; torch's own on 2.15
-        (_fsdp_param_group, "foreach_reduce"),  # likewise
+        (group_cls, "_init_mp_dtypes"),  # replaced on every release
+        (_fsdp_param_group, "foreach_reduce"),  # replaced on 2.11-2.14; torch's own on 2.15
     )
     before = [owner.__dict__[name] for owner, name in watched]
     fp.apply_param_dtype_map_patch()
     fp.apply_param_dtype_map_patch()
     assert fp.is_param_dtype_map_patch_applied()
     after = [owner.__dict__[name] for owner, name in watched]
-    assert after[0] is not before[0]
-    # 2.15 replaces nothing of FSDP's precision machinery (its native override is used).
-    native = torch_release() == "2.15"
-    assert [a is b for a, b in zip(after[1:], before[1:])] == [native, native]
+    assert after[0] is not before[0] and after[1] is not before[1]
+    # 2.15's own foreach_reduce reduces mixed gradient dtypes: kept there.
+    assert (after[2] is before[2]) == (torch_release() == "2.15")
     fp.remove_param_dtype_map_patch()
     fp.remove_param_dtype_map_patch()
     assert not fp.is_param_dtype_map_patch_applied()

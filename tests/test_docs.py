@@ -18,9 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_precision import ParamDtypeMapError
-from fsdp_precision._patch import torch_release
-
 ROOT = Path(__file__).parents[1]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PAGES = sorted(
@@ -118,13 +115,6 @@ def test_python_blocks_run(
         ns["model"] = fresh()
         try:
             exec(compile(source, f"{page} block {i}", "exec"), ns)
-        except ParamDtypeMapError as exc:
-            # torch 2.15's native override refuses maps to a third dtype; the page must say so.
-            documented = "2.15" in (ROOT / page).read_text()
-            if torch_release() == "2.15" and "cannot be expressed on torch" in str(exc):
-                assert documented, f"{page} maps to a third dtype without mentioning torch 2.15"
-                return
-            raise AssertionError(f"{page}, python block {i} fails: {exc!r}\n{source}") from exc
         except Exception as exc:
             raise AssertionError(f"{page}, python block {i} fails: {exc!r}\n{source}") from exc
 

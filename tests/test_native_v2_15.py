@@ -1,8 +1,10 @@
-"""torch 2.15: the exact-FQN map through torch's native ``param_dtype_override_fn``.
+"""torch 2.15: the exact-FQN map through torch's native ``param_dtype_override_fn``, and the
+patched machinery for what it cannot express.
 
-On 2.15 the patch wraps only the construction site; these tests check that torch itself calls the
-translated override fn, that what 2.15 cannot express is refused by name before anything is
-sharded, and (negative controls) what happens without the translation. One rank, in-process.
+These tests check that torch itself calls the translated override fn for expressible maps, that
+the other maps (third dtypes, float64, upcasts, mixed trainable storage) run through the patched
+``_init_mp_dtypes`` and ``_get_param_all_gather_inputs`` with torch's own mixed-dtype reduction,
+and (negative controls) how upstream 2.15 fails without each piece. One rank, in-process.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
+from fsdp_precision import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._patch import torch_release
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
@@ -94,50 +96,92 @@ def test_map_equals_a_hand_written_override_fn() -> None:
         assert torch.equal(a.grad.to_local(), b.grad.to_local()), name
 
 
-INEXPRESSIBLE = [
-    (
-        {"norm.weight": fp16},
-        r"param_dtype_map entries \{'norm\.weight': torch\.float16\} cannot be expressed on "
-        r"torch 2\.15\.\S+: its native MixedPrecisionPolicy\.param_dtype_override_fn allows only "
-        r"param_dtype \(torch\.bfloat16\) or the parameter's storage dtype \('norm\.weight' is "
-        r"stored in torch\.float32\)\. Store those parameters in the mapped dtype, give them "
-        r"their own fully_shard unit with that param_dtype, or use torch 2\.11-2\.14",
-    ),
-    ({"norm.bias": fp64}, r"entries \{'norm\.bias': torch\.float64\} cannot be expressed"),
-    (
-        {"gate.weight": torch.float8_e4m3fn, "norm.weight": fp32},
-        r"entries \{'gate\.weight': torch\.float8_e4m3fn\} cannot be expressed",
+# Maps the native override cannot express: a third dtype, float64, an upcast of a bf16-stored
+# parameter, mixed trainable storage. Each: (how the model is stored, param_dtype, the map).
+def _fp32_model() -> nn.Module:
+    return Block()
+
+
+def _bf16_model() -> nn.Module:
+    return Block().to(bf16)
+
+
+def _mixed_storage_model() -> nn.Module:
+    model = Block().to(bf16)
+    model.norm.float()
+    return model
+
+
+PATCHED = [
+    pytest.param(_fp32_model, bf16, {"gate.weight": fp16}, id="fp16_in_bf16_unit"),
+    pytest.param(_fp32_model, bf16, {"gate.weight": fp64}, id="float64"),
+    pytest.param(_bf16_model, None, {"gate.weight": fp32}, id="upcast_of_bf16_storage"),
+    pytest.param(
+        _mixed_storage_model, None, {"norm.weight": fp32, "norm.bias": fp32}, id="mixed_storage"
     ),
 ]
 
 
-@pytest.mark.parametrize(("dtype_map", "message"), INEXPRESSIBLE)
-def test_inexpressible_maps_are_refused_by_name(dtype_map, message) -> None:
-    model = Block()
-    before = dict(model.named_parameters())
-    with pytest.raises(ParamDtypeMapError, match=message):
-        fully_shard(model, mp_policy=policy(dtype_map))
-    assert_untouched(model, before)
-    fully_shard(model, mp_policy=policy(KEEP))  # an expressible map on the same model works
-    assert isinstance(model.norm.weight, DTensor)
+def _run(model: nn.Module) -> tuple[GatherProbe, CollectiveRecorder]:
+    with GatherProbe(model) as probe, CollectiveRecorder() as rec:
+        model(torch.randn(2, 16).to(model.up.weight.dtype)).float().sum().backward()
+    return probe, rec
 
 
-def test_mixed_trainable_storage_is_refused_by_name() -> None:
-    model = Block().to(bf16)
-    model.norm.float()
-    before = dict(model.named_parameters())
-    with pytest.raises(
-        ParamDtypeMapError,
-        match=r"trainable parameters of one fully_shard unit have mixed storage dtypes "
-        r"\('norm\.weight' is stored in torch\.float32, 'up\.weight' is stored in "
-        r"torch\.bfloat16\); torch 2\.15\.\S+ requires one storage dtype per unit",
-    ):
+@pytest.mark.parametrize(("make", "param_dtype", "dtype_map"), PATCHED)
+def test_what_the_native_override_cannot_express_takes_the_patched_path(
+    make, param_dtype, dtype_map, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_precision._patch import _native
+
+    calls: list[object] = []
+    monkeypatch.setattr(_native, "native_policy", lambda *a: calls.append(a))  # never used here
+    model = make()
+    storage = {n: p.dtype for n, p in model.named_parameters()}
+    fully_shard(model, mp_policy=policy(dtype_map, param_dtype=param_dtype))
+    assert calls == []
+    probe, rec = _run(model)
+    for name, gathered in probe.seen.items():
+        assert gathered.dtype == dtype_map.get(name, param_dtype or storage[name]), name
+    # One rank issues no collectives; their count and bytes are checked on 2 and 4 ranks
+    # (test_parity.py, test_adversarial.py).
+    assert {c.dtype for c in rec.of("reduce_scatter")} <= {fp32}
+    for name, param in model.named_parameters():
+        assert param.grad.dtype == storage[name], name  # each gradient in its storage dtype
+
+
+def test_negative_controls_without_the_replaced_functions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each replaced 2.15 function put back to torch's: the failure is upstream 2.15's own (the
+    all-gather copy-in's control needs two ranks: test_parity.py)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    from fsdp_precision._patch import _install
+
+    with monkeypatch.context() as m:
+        m.setattr(
+            group.FSDPParamGroup,
+            "_init_mp_dtypes",
+            _install.original(group.FSDPParamGroup, "_init_mp_dtypes"),
+        )
+        model = _mixed_storage_model()
         fully_shard(model, mp_policy=policy({"norm.weight": fp32}, param_dtype=None))
-    assert_untouched(model, before)
+        with pytest.raises(AssertionError, match="FSDP expects uniform original parameter dtype"):
+            _run(model)
+    # Without the construction wrap torch gets the map's override fn nowhere, and its own
+    # override refuses the upcast by itself (the error the translation never lets through).
+    with pytest.raises(ValueError, match="must return None, param_dtype, or the parameter's"):
+        fully_shard(
+            _bf16_model(),
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=None, param_dtype_override_fn=lambda p: fp32
+            ),
+        )
 
 
 def test_negative_controls() -> None:
-    # Frozen parameters may keep another storage dtype (2.15 only checks trainable ones), and
+    # Frozen parameters may keep another storage dtype (2.15's own handling, native path), and
     # an entry equal to param_dtype is a no-op: both are accepted.
     model = Block()
     model.norm.to(bf16).requires_grad_(False)

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._patch import torch_release
+from fsdp_precision import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from _harness import collect_cases, distributed_suite, unpatched
@@ -29,9 +28,6 @@ from _models import (
 )
 
 STD = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-# torch 2.15: maps run through torch's native param_dtype_override_fn (param_dtype or the
-# storage dtype only, one trainable storage dtype per unit); cases beyond that expect the error.
-NATIVE = torch_release() == "2.15"
 FP32_CHILD = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)
 
 
@@ -147,12 +143,6 @@ def case_mixed_storage_in_one_unit() -> None:
         block.gate.float()
     base.norm.float()
     ref, ours = clones(base, 2)
-    if NATIVE:
-        # torch 2.15 asserts one storage dtype per unit for trainable parameters, and on 2.15
-        # the map runs through torch's own machinery: refused by name before sharding.
-        with pytest.raises(ParamDtypeMapError, match=r"have mixed storage dtypes .* 2\.11-2\.14"):
-            wrap_mapped(ours, param_dtype=None)
-        return
     wrap_children(ref, policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32))
     wrap_mapped(ours, param_dtype=None)
     train_in_lockstep([ref, ours], steps=3, make_input=lambda s: inputs(s).to(bf16))
@@ -211,17 +201,6 @@ def case_prehooks_see_exact_fqn_dtype_shape_numel_and_padded_bytes() -> None:
     model = Primes()
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     prime_map = PRIME_MAP
-    if NATIVE:
-        # torch 2.15's native override cannot gather an fp32-stored parameter in float64:
-        # refused by name; the rest of the case runs with "scale" kept in its storage dtype.
-        with pytest.raises(ParamDtypeMapError, match=r"'scale': torch\.float64\} cannot be"):
-            fully_shard(
-                model,
-                mp_policy=ParamDtypeMixedPrecisionPolicy(
-                    param_dtype=bf16, reduce_dtype=fp32, param_dtype_map=PRIME_MAP
-                ),
-            )
-        prime_map = {**PRIME_MAP, "scale": fp32}
     policy = ParamDtypeMixedPrecisionPolicy(
         param_dtype=bf16, reduce_dtype=fp32, param_dtype_map=prime_map
     )
@@ -362,6 +341,28 @@ def case_negative_control_unpatched() -> None:
             model(inputs(0))
     # What the probe would report as a failure: the fp32 request was dropped.
     assert probe.seen["norm.weight"].dtype == bf16
+
+
+def case_negative_control_first_dtype_gather() -> None:
+    """torch's own all-gather copy-in put back: a third dtype (fp16 in a bf16 unit) is gathered
+    in the first parameter's dtype, as upstream's foreach-copy fast path does on every release."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    from fsdp_precision._patch import _install
+
+    upstream = _install.original(coll, "_get_param_all_gather_inputs")
+    patched = coll._get_param_all_gather_inputs
+    for swapped in (False, True):
+        model = net()
+        fully_shard(model, mp_policy=mapped(("blocks.0.gate.weight",), dtype=torch.float16))
+        coll._get_param_all_gather_inputs = upstream if swapped else patched
+        try:
+            with GatherProbe(model) as probe:
+                model(inputs(0))
+        finally:
+            coll._get_param_all_gather_inputs = patched
+        seen = probe.seen["blocks.0.gate.weight"].dtype
+        assert seen == (bf16 if swapped else torch.float16), (swapped, seen)
 
 
 CASES = collect_cases(globals())

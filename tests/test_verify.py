@@ -19,7 +19,6 @@ import torch
 
 from _hf_models import requires_transformers_5
 from fsdp_precision._cli import main
-from fsdp_precision._patch import torch_release
 from fsdp_precision.testing import (
     Comparison,
     ParamParity,
@@ -153,10 +152,7 @@ def test_gpt_oss_with_a_keep_rule(hf_runs: Runs) -> None:
 
 @pytest.mark.distributed
 def test_module_callable_on_three_ranks_within_tolerance() -> None:
-    # torch 2.15's native override cannot compute an fp32-stored parameter in fp16 (refused, see
-    # test_native_v2_15.py); there the gate is kept in its storage dtype instead.
-    native = torch_release() == "2.15"
-    gate, gate_dtype = ("*gate.weight", "float32") if native else ("*gate.weight=fp16", "float16")
+    gate, gate_dtype = "*gate.weight=fp16", "float16"
     out = verify("_verify_models:TinyNet", "--nproc", "3", "--keep", "*norm.*", "--keep", gate)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()

@@ -68,9 +68,9 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             ``named_parameters(remove_duplicate=False)`` spells them, restricted to the parameters
             that call manages. Values are floating dtypes (float8 variants, float16, bfloat16,
             float32, float64). No wildcards: compile patterns with the rules layer. An empty map
-            takes exactly the upstream path. On torch 2.15 the map runs through torch's native
-            ``param_dtype_override_fn`` and may name only ``param_dtype`` or a parameter's
-            storage dtype (docs/compatibility.md). (Default: ``{}``)
+            takes exactly the upstream path. On torch 2.15 a map that torch's native
+            ``param_dtype_override_fn`` can express runs through it; the rest through the
+            patch, as on 2.11-2.14 (docs/compatibility.md). (Default: ``{}``)
 
     On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
     combined with a non-empty ``param_dtype_map``.

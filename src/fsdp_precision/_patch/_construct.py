@@ -6,9 +6,9 @@ retried. Then, depending on the installed release's traits:
 
 * ``native_override`` (2.15) and the map is expressible: torch gets a plain
   ``MixedPrecisionPolicy`` whose ``param_dtype_override_fn`` is the translated map (``_native``);
-* ``patches_precision`` (2.11-2.14): each ``FSDPParam`` is tagged with its mapped dtype, which the
-  replaced precision machinery (``_mp_dtypes``, ``_gather``, ``_reduce``) reads;
-* neither applies (2.15, a map the native override cannot express): ``ParamDtypeMapError``.
+* otherwise, ``patches_precision`` (2.11-2.15): each ``FSDPParam`` is tagged with its mapped
+  dtype, which the replaced precision machinery (``_mp_dtypes``, ``_gather``, ``_reduce``) reads;
+* neither applies (a release with only ``native_override``; none today): ``ParamDtypeMapError``.
 
 It relies on ``_init_param_group(state, params, modules, mesh_info, post_forward_mesh_info,
 device, shard_placement_fn, mp_policy, offload_policy, ...)`` (the same leading parameters on
@@ -100,6 +100,7 @@ def _use_native(
         return True
     if not release.patches_precision:
         raise ParamDtypeMapError(refusal)
+    logger.debug("fsdp_precision: the patched machinery takes this unit: %s", refusal)
     return False  # the patched machinery takes what the native override cannot express
 
 

@@ -69,7 +69,8 @@ _registry = Replacements()
 
 def replacements(release: ReleaseTraits) -> list[Replacement]:
     """What a release with these traits swaps in: the construction wrap, and where the release
-    ``patches_precision``, the three functions of FSDP2's precision machinery."""
+    ``patches_precision``, FSDP2's precision machinery (``foreach_reduce`` only where torch's
+    cannot reduce mixed gradient dtypes, i.e. without ``mixed_dtype_reduce``)."""
     from . import _construct, _gather, _mp_dtypes, _reduce
 
     rows: list[Replacement] = [(_fs, "_init_param_group", _construct.init_param_group)]
@@ -77,8 +78,9 @@ def replacements(release: ReleaseTraits) -> list[Replacement]:
         rows += [
             (_group.FSDPParamGroup, "_init_mp_dtypes", _mp_dtypes.init_mp_dtypes),
             (_coll, "_get_param_all_gather_inputs", _gather.get_param_all_gather_inputs),
-            (_group, "foreach_reduce", _reduce.foreach_reduce),  # via post_backward's binding
         ]
+        if not release.mixed_dtype_reduce:  # 2.15 reduces mixed gradient dtypes itself
+            rows.append((_group, "foreach_reduce", _reduce.foreach_reduce))  # post_backward's
     return rows
 
 

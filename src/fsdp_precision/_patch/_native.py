@@ -4,12 +4,12 @@ torch 2.15 added ``MixedPrecisionPolicy.param_dtype_override_fn``: FSDP calls it
 parameter (in ``FSDPParamGroup.__init__``, through ``MixedPrecisionPolicy._resolve_for_param``)
 and accepts only ``None``, ``param_dtype`` or the parameter's own dtype. Its all-gather and
 reduce-scatter already handle the resulting mix (parameters kept in their storage dtype skip the
-cast; gradients of several dtypes are reduced together and cast back per dtype), so on a release
-with ``native_override`` nothing of FSDP's precision machinery needs replacing for such maps. The
-construction wrap (``_construct``) resolves the exact-FQN map (the same checks and messages as on
-the other releases), asks :func:`refusal` whether torch can express it, and hands torch
-:func:`native_policy`. The override function receives a parameter, not its name, which is why
-the construction site is wrapped at all.
+cast; gradients of several dtypes are reduced together and cast back per dtype), so for such maps
+nothing of FSDP's precision machinery is touched. The construction wrap (``_construct``) resolves
+the exact-FQN map (the same checks and messages as on the other releases), asks :func:`refusal`
+whether torch can express it, and hands torch :func:`native_policy` if so; otherwise the patched
+machinery takes the unit (``patches_precision``) and the refusal is only logged. The override
+function receives a parameter, not its name, which is why the construction site is wrapped.
 
 Pure public torch: nothing here imports FSDP2 internals.
 """
@@ -54,8 +54,9 @@ def _fmt(dtype: torch.dtype | None) -> str:
 def refusal(
     params: list[nn.Parameter], resolved: ResolvedMap, policy: ParamDtypeMixedPrecisionPolicy
 ) -> str | None:
-    """Why torch's native override cannot express this map (a ``ParamDtypeMapError`` message
-    naming the entries and the ways out), or None when it can."""
+    """Why torch's native override cannot express this map, or None when it can. The text is a
+    ``ParamDtypeMapError`` message (the entries and the ways out) for a release without
+    ``patches_precision``; on the supported releases the patched machinery takes such maps."""
     release = torch.__version__
     bad = [
         (resolved.fqns[pid][0], dtype, param.dtype)

@@ -40,16 +40,28 @@ class ReleaseTraits:
     #: 2.15: ``MixedPrecisionPolicy.param_dtype_override_fn``; the construction wrap translates
     #: the map into it where it can express the map.
     native_override: bool = False
-    #: 2.11-2.14: the patch replaces FSDP2's precision machinery (``_init_mp_dtypes``,
-    #: ``_get_param_all_gather_inputs``, ``foreach_reduce``). False on 2.15, where what the
-    #: native override cannot express is refused by name instead.
+    #: The patch replaces FSDP2's precision machinery for mapped units (``_init_mp_dtypes``,
+    #: ``_get_param_all_gather_inputs``, and without ``mixed_dtype_reduce`` ``foreach_reduce``).
+    #: With ``native_override`` too (2.15), only for maps the native override cannot express.
     patches_precision: bool = True
+    #: 2.15: ``foreach_reduce`` takes gradients of several dtypes (``fsdp::chunk_cat_mixed_dtype``
+    #: casts them into the reduce dtype as it copies) and casts each run back to its parameter's
+    #: ``sharded_grad_dtype``; ``FSDPParam`` carries ``grad_dtype`` (``unsharded_grad_dtype``),
+    #: the group keeps ``_fsdp_params_with_wider_grad_dtype`` and promotes ``reduce_dtype=None``
+    #: over the gradient dtypes. torch's ``foreach_reduce`` is then kept, and ``_mp_dtypes`` sets
+    #: that group state instead of ``_orig_dtype``.
+    mixed_dtype_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):
             raise ValueError(
                 f"ReleaseTraits.foreach_reduce_results is {self.foreach_reduce_results!r}; "
                 "torch's foreach_reduce returns 6 values (2.11, 2.12) or 7 (2.13 on)"
+            )
+        if self.mixed_dtype_reduce and self.foreach_reduce_results != 7:
+            raise ValueError(
+                "ReleaseTraits.mixed_dtype_reduce (2.15) needs foreach_reduce_results=7, "
+                f"got {self.foreach_reduce_results!r}"
             )
         if not (self.native_override or self.patches_precision):
             raise ValueError(
@@ -63,12 +75,14 @@ _P = "torch.distributed.fsdp._fully_shard."
 #: Replaced on every release: the construction site (``_construct``).
 CONSTRUCTION_REPLACED: tuple[str, ...] = (_P + "_fsdp_init:_init_param_group",)
 
-#: Replaced where ``patches_precision``: ``_mp_dtypes``, ``_gather``, ``_reduce``.
+#: Replaced where ``patches_precision``: ``_mp_dtypes``, ``_gather``.
 PRECISION_REPLACED: tuple[str, ...] = (
     _P + "_fsdp_param_group:FSDPParamGroup._init_mp_dtypes",
     _P + "_fsdp_collectives:_get_param_all_gather_inputs",
-    _P + "_fsdp_collectives:foreach_reduce",
 )
+
+#: Replaced where ``patches_precision`` without ``mixed_dtype_reduce`` (2.11-2.14): ``_reduce``.
+REDUCE_REPLACED: tuple[str, ...] = (_P + "_fsdp_collectives:foreach_reduce",)
 
 #: Relied on by the construction wrap (``FSDPState.init``'s registration that ``_construct``
 #: undoes, the call into ``FSDPParamGroup``).
@@ -104,6 +118,39 @@ PRECISION_RELIED_ON: tuple[str, ...] = _CONSTRUCTION_RELIED_ON + (
     "torch.distributed._composable_state:_insert_module_state",
 )
 
+#: Relied on where ``patches_precision`` and ``mixed_dtype_reduce`` (2.15): what the replaced
+#: ``_init_mp_dtypes`` and ``_get_param_all_gather_inputs`` feed, mirror or call, and torch's
+#: mixed-dtype reduction they leave in place.
+MIXED_REDUCE_RELIED_ON: tuple[str, ...] = (
+    *_CONSTRUCTION_RELIED_ON,
+    _P + "_fsdp_param_group:FSDPParamGroup.lazy_init",
+    _P + "_fsdp_param_group:FSDPParamGroup._init_reduce_scatter_param_order",
+    _P + "_fsdp_param_group:FSDPParamGroup._get_reduce_dtype",
+    _P + "_fsdp_param_group:FSDPParamGroup._set_unsharded_grad_dtypes",
+    _P + "_fsdp_param_group:FSDPParamGroup._take_unsharded_grads_to_reduce",
+    _P + "_fsdp_param_group:FSDPParamGroup.unshard",
+    _P + "_fsdp_param_group:FSDPParamGroup.wait_for_unshard",
+    _P + "_fsdp_param_group:FSDPParamGroup.post_backward",
+    _P + "_fsdp_param_group:_get_param_module_infos",
+    _P + "_fsdp_param:FSDPParam.init_dtype_attrs",
+    _P + "_fsdp_param:FSDPParam.unsharded_grad_dtype",
+    _P + "_fsdp_param:FSDPParam.may_reduce_grad_outside_dp",
+    _P + "_fsdp_param:FSDPParam.all_gather_inputs",
+    _P + "_fsdp_param:FSDPParam.init_all_gather_outputs",
+    _P + "_fsdp_param:FSDPParam.init_unsharded_param",
+    _P + "_fsdp_param:FSDPParam.to_sharded_dtensor",
+    _P + "_fsdp_collectives:foreach_all_gather",
+    _P + "_fsdp_collectives:_get_all_gather_input_metadatas",
+    _P + "_fsdp_collectives:_default_all_gather_output_fn",
+    _P + "_fsdp_collectives:foreach_all_gather_copy_out",
+    _P + "_fsdp_collectives:foreach_reduce",
+    _P + "_fsdp_collectives:_default_reduce_scatter_input_fn",
+    _P + "_fsdp_collectives:_cast_and_view_sharded_grads",
+    _P + "_fsdp_collectives:foreach_reduce_scatter_copy_in",
+    _P + "_fsdp_common:_to_dtype_if_needed",
+    "torch.distributed._composable_state:_insert_module_state",
+)
+
 #: Relied on where ``compiled_autograd_branches`` (2.11): the switch the replacements consult.
 COMPILED_AUTOGRAD_RELIED_ON: tuple[str, ...] = (_P + "_fsdp_common:compiled_autograd_enabled",)
 
@@ -133,8 +180,10 @@ def targets(traits: ReleaseTraits) -> tuple[str, ...]:
     prints them in this order); a target listed by two groups appears once, where first listed.
     """
     groups = [CONSTRUCTION_REPLACED]
-    if traits.patches_precision:
-        groups += [PRECISION_REPLACED, PRECISION_RELIED_ON]
+    if traits.patches_precision and traits.mixed_dtype_reduce:
+        groups += [PRECISION_REPLACED, MIXED_REDUCE_RELIED_ON]
+    elif traits.patches_precision:
+        groups += [PRECISION_REPLACED, REDUCE_REPLACED, PRECISION_RELIED_ON]
     if traits.compiled_autograd_branches:
         groups.append(COMPILED_AUTOGRAD_RELIED_ON)
     if traits.native_override:
