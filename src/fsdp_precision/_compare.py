@@ -19,6 +19,7 @@ __all__ = [
     "gradient_tolerance",
     "loss_of",
     "output_of",
+    "same_bits",
 ]
 
 #: Gradients are bitwise on these world sizes (with identical inputs on every rank).
@@ -53,7 +54,8 @@ class Comparison:
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaNs with the same bits included): the bitwise check."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if torch.equal(a, b):
@@ -70,7 +72,7 @@ def compare(got: torch.Tensor, expected: torch.Tensor) -> Comparison:
     scale = float(finite.double().abs().max()) if finite is not None and finite.numel() else 0.0
     if got.shape != expected.shape:
         return Comparison(False, math.inf, scale)
-    same = _same_bits(got.detach(), expected.detach())
+    same = same_bits(got.detach(), expected.detach())
     if same or not got.numel():
         return Comparison(same, 0.0, scale)
     diff = float((got.detach().double() - expected.detach().double()).abs().max())

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_precision._checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from fsdp_precision._compare import same_bits
 from fsdp_precision._config import DistributedConfig
 from fsdp_precision._demo_results import ResumeResult, TrainResult, UnitGathers
 from fsdp_precision._dtypes import dtype_name
@@ -210,12 +211,12 @@ class Training:
                         "mapped": (rec_ours.count("all_gather"), rec_ours.count("reduce_scatter")),
                         "reference": (rec_ref.count("all_gather"), rec_ref.count("reduce_scatter")),
                     }
-                if not torch.equal(loss, loss_ref):
+                if not same_bits(loss, loss_ref):
                     mismatches.append(f"step {step}: loss of micro-batch {index}")
             if has_reference:
                 for name, po, pr in zip(fqns, ours.parameters(), ref.parameters(), strict=True):
                     go, gr = _local(po.grad), _local(pr.grad)
-                    if go.dtype != gr.dtype or not torch.equal(go, gr):
+                    if not same_bits(go, gr):
                         mismatches.append(f"step {step}: grad {name}")
             opt_ours.step()
             opt_ours.zero_grad()
@@ -223,7 +224,7 @@ class Training:
                 opt_ref.step()
                 opt_ref.zero_grad()
                 for name, po, pr in zip(fqns, ours.parameters(), ref.parameters(), strict=True):
-                    if not torch.equal(_local(po), _local(pr)):
+                    if not same_bits(_local(po), _local(pr)):
                         mismatches.append(f"step {step}: param {name}")
             losses.append(_step_loss(micro_losses, job))
             if step == checkpoint_step:
@@ -302,11 +303,7 @@ def resume(
         return None
     uninterrupted = torch.load(out / UNINTERRUPTED, weights_only=True)
     expected = uninterrupted["state"]
-    differ = sorted(
-        key
-        for key, value in final.items()
-        if value.dtype != expected[key].dtype or not torch.equal(value, expected[key])
-    )
+    differ = sorted(key for key, value in final.items() if not same_bits(value, expected[key]))
     max_diff = max(
         ((final[key].double() - expected[key].double()).abs().max().item() for key in differ),
         default=0.0,

@@ -43,6 +43,7 @@ from fsdp_precision._compare import (
     gradient_tolerance,
     loss_of,
     output_of,
+    same_bits,
 )
 from fsdp_precision._observe import GatherProbe
 from fsdp_precision._parity_report import ParamParity, ParityReport
@@ -125,9 +126,9 @@ def verify_parity(
         torch.manual_seed(seed)
         ref_out = reference.module(**inputs)
     output, ref_output = output_of(out), output_of(ref_out)
-    output_match = output.dtype == ref_output.dtype and torch.equal(output, ref_output)
+    output_match = same_bits(output, ref_output)
     loss, ref_loss = loss_fn(out), loss_fn(ref_out)
-    loss_match = loss.dtype == ref_loss.dtype and torch.equal(loss, ref_loss)
+    loss_match = same_bits(loss, ref_loss)
     loss.backward()  # type: ignore[no-untyped-call]
     ref_loss.backward()  # type: ignore[no-untyped-call]
 
