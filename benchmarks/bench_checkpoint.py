@@ -28,24 +28,22 @@ import argparse
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
 from fsdp_precision import load_checkpoint, save_checkpoint
+from fsdp_precision.testing import launch, process_group
 
 
 class Layer(nn.Module):
@@ -102,10 +100,13 @@ def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, objec
     return {"model": msd, "optim": osd}
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, base: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(args: argparse.Namespace, base: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.nproc, timeout=timedelta(600))
+    with process_group(timeout_s=600):
+        measure(dist.get_rank(), args, base)
+
+
+def measure(rank: int, args: argparse.Namespace, base: str) -> None:
     fp.apply_param_dtype_map_patch()
     model, opt = build(args.dim, args.depth)
     fresh, fresh_opt = build(args.dim, args.depth)
@@ -171,7 +172,6 @@ def worker(rank: int, args: argparse.Namespace, port: int, base: str) -> None:
             f"{os.cpu_count()} cores, torch {torch.__version__}"
         )
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -185,13 +185,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.iters, args.dim, args.depth = 1, 32, 2
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
     with tempfile.TemporaryDirectory(dir=args.dir) as base:
-        mp.start_processes(
-            worker, args=(args, port, base), nprocs=args.nproc, join=True, start_method="spawn"
-        )
+        launch(worker, (args, base), nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
-from fsdp_precision.testing import TinyConfig, TinyDecoder
+from fsdp_precision.testing import TinyConfig, TinyDecoder, launch, process_group
 
 
 def local_bytes(tensors) -> int:
@@ -33,10 +30,13 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(world: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    with process_group(timeout_s=300):
+        measure(dist.get_rank(), world, args, out)
+
+
+def measure(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     torch.manual_seed(0)
     cfg = TinyConfig(dim=args.dim, depth=args.depth)
     model = TinyDecoder(cfg)
@@ -71,7 +71,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 },
                 f,
             )
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -86,17 +85,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     for world in args.world_sizes:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            mp.start_processes(
-                worker,
-                args=(world, port, args, tmp.name),
-                nprocs=world,
-                join=True,
-                start_method="spawn",
-            )
+            launch(worker, (world, args, tmp.name), nproc=world)
             with open(tmp.name) as f:
                 rows.append(json.load(f))
     print(

@@ -30,17 +30,15 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import date, timedelta
+from datetime import date
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_precision as fp
@@ -48,6 +46,8 @@ from fsdp_precision.testing import (
     CollectiveRecorder,
     TinyConfig,
     TinyDecoder,
+    launch,
+    process_group,
     wrap_separate_units,
 )
 
@@ -144,10 +144,13 @@ def check_contract(collectives: dict[str, dict[str, int]]) -> None:
         raise SystemExit(f"mapped units issue other collectives than uniform ones: {counts}")
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.nproc, timeout=timedelta(300))
+    with process_group(timeout_s=300):
+        measure(dist.get_rank(), args)
+
+
+def measure(rank: int, args: argparse.Namespace) -> None:
     cfg = TinyConfig(dim=args.dim, depth=args.depth)
     torch.manual_seed(0)
     built = build(TinyDecoder(cfg))
@@ -200,7 +203,6 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -215,13 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.iters, args.warmup, args.dim, args.depth = 2, 1, 16, 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(
-        worker, args=(args, port), nprocs=args.nproc, join=True, start_method="spawn"
-    )
+    launch(worker, (args,), nproc=args.nproc)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ Observe, do not infer: :func:`verify_parity` (one step of the plan-wrapped model
 unsharded reference that computes as FSDP does, per parameter), :class:`GatherProbe` (what each
 FSDP unit really all-gathered, read in forward pre-hooks), :class:`CollectiveRecorder` (every
 all-gather and reduce-scatter with dtype and bytes), :func:`gather_across_ranks` (typed results
-from every rank), and small test models (:class:`TinyDecoder`, :func:`tiny_config`). The CLI,
-the tests, the examples and the benchmarks use these same names.
+from every rank), ranks on one machine (:func:`launch`, :func:`process_group`), and small test
+models (:class:`TinyDecoder`, :func:`tiny_config`). The CLI, the tests, the examples and the
+benchmarks use these same names.
 """
 
 from __future__ import annotations
 
 from fsdp_precision._compare import Comparison, compare, gradient_tolerance, loss_of, output_of
+from fsdp_precision._launch import launch, process_group
 from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
 from fsdp_precision._parity_report import ParamParity, ParityReport
 from fsdp_precision._ranks import gather_across_ranks
@@ -32,8 +34,10 @@ __all__: list[str] = [
     "compare",
     "gather_across_ranks",
     "gradient_tolerance",
+    "launch",
     "loss_of",
     "output_of",
+    "process_group",
     "tiny_config",
     "verify_parity",
     "wrap_separate_units",

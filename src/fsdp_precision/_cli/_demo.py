@@ -33,10 +33,10 @@ from fsdp_precision._demo_results import (
     UnitGathers,
     resume_is_bitwise_expected,
 )
+from fsdp_precision._launch import is_rank0, launch, process_group, under_torchrun
 from fsdp_precision._wrap import plan_model_for_training
 
 from ._demo_model import DemoModel, demo_model, micro_batch, micro_batches_per_step
-from ._launch import is_rank0, launch, process_group, under_torchrun
 from ._plan_cmd import _parse_rule
 from ._progress import Progress
 

@@ -21,11 +21,11 @@ import torch.nn as nn
 from fsdp_precision._compile import compile_param_dtype_maps, default_units
 from fsdp_precision._config import DistributedConfig
 from fsdp_precision._hf import library_of
+from fsdp_precision._launch import is_rank0, launch, process_group
 from fsdp_precision._parity_report import ParityReport
 from fsdp_precision._records import PrecisionPlan
 from fsdp_precision._wrap import auto_wrap_units
 
-from ._launch import is_rank0, launch, process_group
 from ._models import is_hf_spec, load_model
 from ._plan_cmd import _parse_rule
 
