@@ -47,8 +47,8 @@ from ._patch import (
 from ._policy import ParamDtypeMixedPrecisionPolicy
 from ._records import PlannedParam, PlannedUnit, PrecisionPlan
 from ._rules import Glob, ModuleClass, PrecisionRules
+from ._units import auto_wrap_units
 from ._wrap import (
-    auto_wrap_units,
     make_grad_scaler,
     plan_model_for_training,
     wrap_model_for_training,

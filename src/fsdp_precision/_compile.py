@@ -19,6 +19,7 @@ from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan, RuleClaims
+from fsdp_precision._replicated import replicated_params
 from fsdp_precision._rules import AnyRule, DeclaredRule, PrecisionRules, rule_label
 
 __all__ = ["UnitSpec", "build_units", "compile_param_dtype_maps", "default_units"]
@@ -116,6 +117,7 @@ def compile_param_dtype_maps(
         model, rules, [UnitSpec(mods) for mods in spec_modules], targets, maps=not split
     )
     plan = PrecisionPlan(
+        replicated=_replicated(model, targets),
         model=model,
         rules=rules,
         units=planned,
@@ -130,6 +132,35 @@ def compile_param_dtype_maps(
     from fsdp_precision._separate import separate_units_plan
 
     return separate_units_plan(plan)
+
+
+def _replicated(model: nn.Module, targets: Targets) -> tuple[PlannedParam, ...]:
+    """The 0-dim parameters: in no unit, replicated, computing in their storage dtype."""
+    fqns_of = fqns_by_param(model)
+    planned = []
+    for fqn, param in replicated_params(model):
+        kept, rule = targets.get(id(param), (None, None))
+        if kept is not None and kept != param.dtype:
+            raise ParamDtypeMapError(
+                f"0-dim parameter {fqn!r} is replicated, not sharded (torch's fully_shard "
+                f"cannot shard scalars), so it computes in its storage dtype "
+                f"{_fmt(param.dtype)}, but {rule_label(rule)} asks for {_fmt(kept)}: store it "
+                f"in that dtype (e.g. param.data = param.data.to(torch.{dtype_name(kept)})) or "
+                "drop the rule"
+            )
+        planned.append(
+            PlannedParam(
+                fqn=fqn,
+                key=fqn,
+                shape=(),
+                storage=param.dtype,
+                compute=param.dtype,
+                reduce=param.dtype if param.requires_grad else None,
+                claimed_by=rule,
+                aliases=tuple(fqns_of[id(param)][1:]),
+            )
+        )
+    return tuple(planned)
 
 
 def _check_knobs(world_size: object, reshard_after_forward: object, hsdp: object) -> None:
@@ -243,6 +274,8 @@ def build_units(
         for m in mods:
             for local, param in m.named_parameters(remove_duplicate=False):
                 pid = id(param)
+                if param.dim() == 0:  # replicated, in no unit (see _replicated)
+                    continue
                 if unit_of.setdefault(pid, index) != index:
                     continue
                 dtype, rule = targets.get(pid, (None, None))
@@ -289,7 +322,8 @@ def build_units(
             )
         )
 
-    unowned = [fqns[0] for pid, fqns in fqns_of.items() if pid not in unit_of]
+    scalars = {id(p) for p in model.parameters() if p.dim() == 0}
+    unowned = [f[0] for pid, f in fqns_of.items() if pid not in unit_of and pid not in scalars]
     if unowned:
         raise ParamDtypeMapError(
             f"parameters {unowned[:5]} belong to no planned unit; FSDP would leave them "

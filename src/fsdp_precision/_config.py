@@ -38,7 +38,14 @@ class DistributedConfig:
             ``"fp32"``. (Default: ``"bf16"``)
         fsdp_auto_wrap_min_params: A module becomes an FSDP unit, bottom-up, when the parameters
             not already in a child unit reach this count; the root is always a unit; declared
-            ``_no_split_modules`` blocks are never split. (Default: ``10_000_000``)
+            ``_no_split_modules`` blocks are never split. Used by ``"size"``.
+            (Default: ``10_000_000``)
+        fsdp_auto_wrap_policy: ``"size"`` (``fsdp_auto_wrap_min_params``) or
+            ``"transformer_block"`` (every block class a unit, as accelerate's
+            ``TRANSFORMER_BASED_WRAP``). Either way a module becomes a unit only where torch can
+            run it (see ``docs/guides/distributed.md``). (Default: ``"size"``)
+        fsdp_transformer_block_classes: Class names of the blocks for ``"transformer_block"``.
+            (Default: ``()``, the model's ``_no_split_modules``)
         fsdp_cpu_offload: Keep sharded parameters, gradients and optimizer state on the CPU
             (FSDP2's ``CPUOffloadPolicy``). (Default: ``False``)
         fsdp_reshard_after_forward: Free gathered parameters after forward (re-gathered in
@@ -57,6 +64,8 @@ class DistributedConfig:
     parallel_strategy: Strategy = "fsdp"
     fsdp_mixed_precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     fsdp_auto_wrap_min_params: int = 10_000_000
+    fsdp_auto_wrap_policy: Literal["size", "transformer_block"] = "size"
+    fsdp_transformer_block_classes: tuple[str, ...] = field(default_factory=tuple)
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
     hsdp_replicate_size: int | None = None
@@ -100,6 +109,29 @@ class DistributedConfig:
                 "hsdp_replicate_size",
                 replicas,
                 f"it applies to parallel_strategy='hsdp' only (got {self.parallel_strategy!r})",
+            )
+        if self.fsdp_auto_wrap_policy not in ("size", "transformer_block"):
+            raise bad(
+                "fsdp_auto_wrap_policy",
+                self.fsdp_auto_wrap_policy,
+                "use 'size' or 'transformer_block'",
+            )
+        blocks = self.fsdp_transformer_block_classes
+        names_ok = isinstance(blocks, (tuple, list)) and all(
+            isinstance(b, str) and b for b in blocks
+        )
+        if not names_ok:
+            raise bad(
+                "fsdp_transformer_block_classes",
+                blocks,
+                "use a tuple of class names, e.g. ('LlamaDecoderLayer',)",
+            )
+        self.fsdp_transformer_block_classes = tuple(blocks)
+        if blocks and self.fsdp_auto_wrap_policy != "transformer_block":
+            raise bad(
+                "fsdp_transformer_block_classes",
+                blocks,
+                "it applies to fsdp_auto_wrap_policy='transformer_block' only",
             )
         rules = tuple(self.precision_rules)
         for i, rule in enumerate(rules):

@@ -39,7 +39,8 @@ from fsdp_precision._observe import CollectiveRecorder, GatherProbe
 from fsdp_precision._ranks import gather_across_ranks
 from fsdp_precision._records import PrecisionPlan
 from fsdp_precision._separate import wrap_separate_units
-from fsdp_precision._wrap import _no_split_names, wrap_model_for_training
+from fsdp_precision._units import block_class_names
+from fsdp_precision._wrap import wrap_model_for_training
 
 __all__ = ["DemoJob", "Training", "kept_params", "resume", "smallest_block"]
 
@@ -93,7 +94,7 @@ class DemoJob:
 
 def smallest_block(model: nn.Module) -> int:
     """The smallest transformer block: the auto-wrap threshold that makes every block a unit."""
-    blocks = _no_split_names(model)
+    blocks = block_class_names(model)
     sizes = [
         sum(p.numel() for p in m.parameters())
         for m in model.modules()

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_precision import _cost, _hf
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._rules import AnyRule, PrecisionRules, rule_label
+from fsdp_precision._units import UnitChoice
 
 __all__ = ["PlannedParam", "PlannedUnit", "PrecisionPlan", "RuleClaims"]
 
@@ -152,6 +153,10 @@ class PrecisionPlan:
         reshard_after_forward: The ``fully_shard`` knob the counts assume and :meth:`apply`
             passes. (Default: ``None``, torch's: every unit but the root)
         hsdp: Units are sharded on a 2-D (replicate, shard) mesh. (Default: ``False``)
+        replicated: 0-dim parameters, in no unit: replicated on every rank, computing in their
+            storage dtype, gradients averaged after backward. (Default: ``()``)
+        unit_choice: How the units were chosen and which selected modules were refused
+            (``plan_model_for_training``). (Default: ``None``, units given by the caller)
     """
 
     model: nn.Module
@@ -162,6 +167,8 @@ class PrecisionPlan:
     world_size: int = 1
     reshard_after_forward: bool | int | None = None
     hsdp: bool = False
+    replicated: tuple[PlannedParam, ...] = ()
+    unit_choice: UnitChoice | None = None
 
     @property
     def rule_claims(self) -> dict[str, list[str]]:
@@ -181,21 +188,43 @@ class PrecisionPlan:
         """Make the planned ``fully_shard`` calls in order; return the model.
 
         Applies the patch first when a unit has a non-empty map. ``fully_shard_kwargs`` (mesh,
-        offload_policy, ...) go to every call, with the plan's ``reshard_after_forward``. Raises
-        ``ValueError`` before any call when they contradict the knobs the plan was compiled
-        with (``reshard_after_forward``, a 2-D mesh for ``hsdp``): its counts would be wrong.
+        offload_policy, ...) go to every call, with the plan's ``reshard_after_forward`` and
+        the :attr:`replicated` parameters added to ``ignored_params``; those get their
+        gradients averaged over the mesh. Before the first call, every call is checked as the
+        installed release's ``fully_shard`` would check it (:meth:`check`), so a refused plan
+        leaves the model untouched. Raises ``ValueError`` before any call when the kwargs
+        contradict the knobs the plan was compiled with (``reshard_after_forward``, a 2-D mesh
+        for ``hsdp``): its counts would be wrong.
         """
         from torch.distributed.fsdp import fully_shard
 
+        from fsdp_precision._replicated import average_gradients
+
         kwargs = checked_kwargs(self, fully_shard_kwargs)
+        scalars = [self.model.get_parameter(p.fqn) for p in self.replicated]
+        if scalars:
+            kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | set(scalars)
         if any(u.param_dtype_map for u in self.units):
             from fsdp_precision._patch import apply_param_dtype_map_patch
 
             apply_param_dtype_map_patch()
+        self.check(ignored_params=kwargs.get("ignored_params"))
         for unit in self.units:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)
+        average_gradients(scalars, kwargs.get("mesh"))
         return self.model
+
+    def check(self, *, ignored_params: Any = None) -> None:
+        """Raise what any planned ``fully_shard`` call would refuse, before any is made.
+
+        Per call: the map against the parameters it will manage (``ParamDtypeMapError``), the
+        installed release's own refusals (2.11's non-floating parameters, ...), and
+        parameters that are already sharded (``ValueError``: the model was wrapped before).
+        """
+        from fsdp_precision._preflight import check_plan
+
+        check_plan(self, ignored_params or set())
 
     # ----------------------------------------------------------------- reporting
 

@@ -1,9 +1,10 @@
-"""``wrap_model_for_training``: size-based FSDP2 units, exact precision maps, meshes, DDP."""
+"""``wrap_model_for_training``: FSDP2 units torch can run, exact precision maps, meshes, DDP."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,9 +14,10 @@ import torch.nn as nn
 from fsdp_precision._compile import compile_param_dtype_maps
 from fsdp_precision._config import DistributedConfig
 from fsdp_precision._records import PrecisionPlan
+from fsdp_precision._units import choose_units
+from fsdp_precision._usage import param_usage
 
 __all__ = [
-    "auto_wrap_units",
     "make_grad_scaler",
     "plan_model_for_training",
     "wrap_model_for_training",
@@ -24,88 +26,37 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _no_split_names(model: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
-
-
-def auto_wrap_units(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Bottom-up size-based units, in ``fully_shard`` order (innermost first, the root last).
-
-    A module becomes a unit when the parameters under it that no child unit took reach
-    ``min_params``. Modules whose class is declared in any ``_no_split_modules`` are never split
-    (no unit inside them); a module is never a unit when one of its parameters is tied to a
-    module outside it (torch cannot shard a parameter across units); containers (``ModuleList``,
-    ``ModuleDict``, ``ParameterList``, ``ParameterDict``) are never units (nobody calls them, so
-    their parameters would never be gathered). What they hold stays with the parent.
-    """
-    if min_params < 0:
-        raise ValueError(f"min_params must be >= 0, got {min_params}")
-    no_split = _no_split_names(model)
-    owners: dict[int, set[int]] = {}
-    numel: dict[int, int] = {}
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                owners.setdefault(id(param), set()).add(id(module))
-                numel[id(param)] = param.numel()
-
-    units: list[nn.Module] = []
-    assigned: set[int] = set()
-
-    def subtree(module: nn.Module) -> tuple[set[int], set[int]]:
-        modules = {id(m) for m in module.modules()}
-        params = {pid for pid, own in owners.items() if own & modules}
-        return modules, params
-
-    def visit(module: nn.Module, is_root: bool) -> set[int]:
-        # Containers are never called, so FSDP's hooks would never gather their parameters:
-        # what they hold belongs to the module that reads it.
-        container = isinstance(
-            module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-        )
-        if type(module).__name__ in no_split and not is_root:
-            remaining = subtree(module)[1]
-        else:
-            remaining = {id(p) for p in module._parameters.values() if p is not None}
-            for child in module.children():
-                remaining |= visit(child, False)
-        remaining -= assigned
-        if is_root or container or not remaining:
-            return remaining
-        if sum(numel[pid] for pid in remaining) < min_params:
-            return remaining
-        modules, _ = subtree(module)
-        if any(not owners[pid] <= modules for pid in remaining):  # tied outside: not a unit
-            return remaining
-        units.append(module)
-        assigned.update(remaining)
-        return set()
-
-    visit(model, True)
-    units.append(model)
-    return units
-
-
 def plan_model_for_training(
-    model: nn.Module, config: DistributedConfig, *, world_size: int | None = None
+    model: nn.Module,
+    config: DistributedConfig,
+    *,
+    world_size: int | None = None,
+    example_inputs: Any = None,
 ) -> PrecisionPlan:
     """The units and exact precision maps ``wrap_model_for_training`` would use, unapplied.
 
-    Its collective counts follow the config's knobs: ``fsdp_reshard_after_forward`` (``True`` is
-    torch's ``reshard_after_forward=None``: every unit but the root; ``False``: none) and the
-    all-reduce across replicas of ``"hsdp"``.
+    Units follow ``config.fsdp_auto_wrap_policy`` and are made only where torch can run them
+    (see :func:`auto_wrap_units`; ``example_inputs``, default the model's ``dummy_inputs``, feed
+    the traced forward that finds parameters used outside their unit). ``explain()`` lists the
+    modules refused as units and why. Its collective counts follow the config's knobs:
+    ``fsdp_reshard_after_forward`` (``True`` is torch's ``reshard_after_forward=None``: every
+    unit but the root; ``False``: none) and the all-reduce across replicas of ``"hsdp"``.
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-    units = auto_wrap_units(model, config.fsdp_auto_wrap_min_params)
+    choice = choose_units(
+        model,
+        min_params=config.fsdp_auto_wrap_min_params,
+        policy=config.fsdp_auto_wrap_policy,
+        block_classes=config.fsdp_transformer_block_classes,
+        usage=param_usage(model, example_inputs),
+    )
+    units = list(choice.units)
     shard = world_size
     hsdp = config.parallel_strategy == "hsdp"
     if hsdp and config.hsdp_replicate_size:
         shard = max(1, world_size // config.hsdp_replicate_size)
-    return compile_param_dtype_maps(
+    plan = compile_param_dtype_maps(
         model,
         config.precision(),
         units,
@@ -115,6 +66,7 @@ def plan_model_for_training(
         reshard_after_forward=None if config.fsdp_reshard_after_forward else False,
         hsdp=hsdp,
     )
+    return replace(plan, unit_choice=choice)
 
 
 def _device() -> torch.device:
@@ -146,12 +98,16 @@ def wrap_model_for_training(
     config: DistributedConfig,
     *,
     full_state_dict: Mapping[str, torch.Tensor] | None = None,
+    example_inputs: Any = None,
 ) -> nn.Module:
     """Wrap ``model`` for training as ``config`` says; returns the model to train.
 
-    ``"fsdp"``/``"hsdp"``: bottom-up size-based units (see :func:`auto_wrap_units`), the preset
-    expanded to exact per-unit policies (rules and the model's keep declarations included), CPU
-    offload, a 1-D or 2-D mesh. ``"ddp"``: ``DistributedDataParallel``. ``"none"``: the model.
+    ``"fsdp"``/``"hsdp"``: units by size or by transformer block, only where torch can run them
+    (see :func:`auto_wrap_units`; ``example_inputs`` as in :func:`plan_model_for_training`),
+    the preset expanded to exact per-unit policies (rules and the model's keep declarations
+    included), 0-dim parameters replicated with averaged gradients, CPU offload, a 1-D or 2-D
+    mesh. The whole plan is checked before the first ``fully_shard``: a refused plan leaves the
+    model untouched. ``"ddp"``: ``DistributedDataParallel``. ``"none"``: the model.
 
     Large models: build the model on the meta device on every rank and pass ``full_state_dict``
     on rank 0 (any value, e.g. ``{}``, elsewhere); after sharding, every rank allocates only its
@@ -189,7 +145,7 @@ def wrap_model_for_training(
 
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    plan = plan_model_for_training(model, config)
+    plan = plan_model_for_training(model, config, example_inputs=example_inputs)
     # The plan passes its reshard_after_forward (from the config) to every call.
     kwargs: dict[str, Any] = {"mesh": _mesh(config, device)}
     if config.fsdp_cpu_offload:

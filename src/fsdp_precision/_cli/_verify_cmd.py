@@ -24,7 +24,7 @@ from fsdp_precision._hf import library_of
 from fsdp_precision._launch import is_rank0, launch, process_group
 from fsdp_precision._parity_report import ParityReport
 from fsdp_precision._records import PrecisionPlan
-from fsdp_precision._wrap import auto_wrap_units
+from fsdp_precision._units import auto_wrap_units
 
 from ._models import is_hf_spec, load_model
 from ._plan_cmd import _parse_rule

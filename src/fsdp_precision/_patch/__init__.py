@@ -19,6 +19,7 @@ import importlib
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -29,11 +30,15 @@ from fsdp_precision._errors import UnsupportedTorchError
 from ._sources import verify_sources
 
 if TYPE_CHECKING:
+    import torch.nn as nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from ._traits import ReleaseTraits
 
 __all__ = [
     "SUPPORTED_RELEASES",
     "apply_param_dtype_map_patch",
+    "check_planned_call",
     "is_param_dtype_map_patch_applied",
     "remove_param_dtype_map_patch",
     "torch_release",
@@ -94,6 +99,20 @@ def apply_param_dtype_map_patch() -> None:
         _install.install(release.TRAITS)
         _applied = release.TRAITS
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
+
+
+def check_planned_call(
+    modules: Sequence[nn.Module], params: Sequence[nn.Parameter], policy: MixedPrecisionPolicy
+) -> None:
+    """Raise what ``fully_shard(modules, mp_policy=policy)`` would refuse on the installed
+    release for the ``params`` it would manage (a ``ParamDtypeMapError``), touching nothing.
+
+    A plan calls this for every planned call before its first ``fully_shard``; it reads the
+    release's traits without importing any torch internal.
+    """
+    from ._refusals import check_call
+
+    check_call(_release_module().TRAITS, modules, params, policy)
 
 
 def remove_param_dtype_map_patch() -> None:

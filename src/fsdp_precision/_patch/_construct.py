@@ -22,7 +22,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed._composable_state import _module_state_mapping
@@ -35,10 +34,11 @@ from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._resolve import ResolvedMap, resolve_param_dtype_map
 
 from . import _install, _native
+from ._refusals import check_manageable, has_map, uses_native
 from ._tags import MAPPED_DTYPE_ATTR
 from ._traits import ReleaseTraits
 
-__all__ = ["bind_mp_policy", "has_map", "init_param_group", "rebind_mp_policy", "undo_state_init"]
+__all__ = ["bind_mp_policy", "init_param_group", "rebind_mp_policy", "undo_state_init"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ def init_param_group(
     release = _install.traits()
     try:
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
-        native = _use_native(release, params, resolved, mp_policy)
+        native = uses_native(release, params, resolved, mp_policy)
         if not native and not release.keeps_requires_grad:
-            _check_manageable(params, resolved.fqns)
+            check_manageable(params, resolved.fqns)
     except ParamDtypeMapError:
         undo_state_init(state, modules)
         raise
@@ -86,43 +86,12 @@ def init_param_group(
     return None
 
 
-def _use_native(
-    release: ReleaseTraits,
-    params: list[nn.Parameter],
-    resolved: ResolvedMap,
-    policy: ParamDtypeMixedPrecisionPolicy,
-) -> bool:
-    """Whether the map goes through torch's native override; raise where nothing can take it."""
-    if not release.native_override:
-        return False
-    refusal = _native.refusal(params, resolved, policy)
-    if refusal is None:
-        return True
-    if not release.patches_precision:
-        raise ParamDtypeMapError(refusal)
-    logger.debug("fsdp_precision: the patched machinery takes this unit: %s", refusal)
-    return False  # the patched machinery takes what the native override cannot express
-
-
 def _new_param_groups(state: Any, before: int, release: ReleaseTraits) -> list[Any]:
     """The ``FSDPParamGroup``s the original ``_init_param_group`` call just built."""
     if release.param_group_list:  # 2.12: per-parameter meshes, a list of groups
         return list(state._fsdp_param_groups[before:])
     group = state._fsdp_param_group  # 2.11: one group per call
     return [] if group is None else [group]
-
-
-def _check_manageable(params: list[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
-    """Before 2.12, FSDP2 makes every sharded parameter trainable (2.12 keeps
-    ``requires_grad``), which fails for integral and boolean parameters: say so up front."""
-    bad = [p for p in params if not (p.dtype.is_floating_point or p.dtype.is_complex)]
-    if bad:
-        names = ", ".join(f"{fqns[id(p)][0]!r} ({dtype_name(p.dtype)})" for p in bad[:4])
-        raise ParamDtypeMapError(
-            f"FSDP2 in torch {torch.__version__} cannot manage non-floating parameters ({names}): "
-            "it creates every sharded parameter with requires_grad=True. Pass them in "
-            "ignored_params, or use torch 2.12 or later, which keeps them frozen"
-        )
 
 
 def _log_mapped(modules: tuple[nn.Module, ...], resolved: ResolvedMap, how: str) -> None:
@@ -133,11 +102,6 @@ def _log_mapped(modules: tuple[nn.Module, ...], resolved: ResolvedMap, how: str)
             if pid in resolved.by_param
         }
         logger.debug("fully_shard(%s): %s %s", type(modules[0]).__name__, how, mapped)
-
-
-def has_map(policy: MixedPrecisionPolicy) -> bool:
-    """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
-    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and len(policy.param_dtype_map) > 0
 
 
 def bind_mp_policy(args: Sequence[Any], kwargs: dict[str, Any]) -> MixedPrecisionPolicy:

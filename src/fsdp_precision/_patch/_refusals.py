@@ -1,0 +1,82 @@
+"""What a release's ``fully_shard`` refuses for one call, checked before anything is sharded.
+
+Pure public torch: nothing here imports FSDP2 internals, so a plan runs these checks for every
+planned call before its first ``fully_shard`` (:func:`check_call`), and the construction wrap
+(``_construct``) runs the same ones inside each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision._dtypes import dtype_name
+from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._resolve import ResolvedMap, resolve_param_dtype_map
+
+from . import _native
+from ._traits import ReleaseTraits
+
+__all__ = ["check_call", "check_manageable", "has_map", "uses_native"]
+
+
+def has_map(policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
+    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and len(policy.param_dtype_map) > 0
+
+
+def check_manageable(params: Sequence[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
+    """Before 2.12, FSDP2 makes every sharded parameter trainable (2.12 keeps
+    ``requires_grad``), which fails for integral and boolean parameters: say so up front."""
+    bad = [p for p in params if not (p.dtype.is_floating_point or p.dtype.is_complex)]
+    if bad:
+        names = ", ".join(f"{fqns[id(p)][0]!r} ({dtype_name(p.dtype)})" for p in bad[:4])
+        raise ParamDtypeMapError(
+            f"FSDP2 in torch {torch.__version__} cannot manage non-floating parameters ({names}): "
+            "it creates every sharded parameter with requires_grad=True. Pass them in "
+            "ignored_params, or use torch 2.12 or later, which keeps them frozen"
+        )
+
+
+def uses_native(
+    release: ReleaseTraits,
+    params: Sequence[nn.Parameter],
+    resolved: ResolvedMap,
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> bool:
+    """Whether the map goes through torch's native override (False: the patched machinery
+    takes it); raises where neither can."""
+    if not release.native_override:
+        return False
+    refusal = _native.refusal(list(params), resolved, policy)
+    if refusal is None:
+        return True
+    if not release.patches_precision:
+        raise ParamDtypeMapError(refusal)
+    return False
+
+
+def check_call(
+    release: ReleaseTraits,
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    policy: MixedPrecisionPolicy,
+) -> None:
+    """Every refusal ``fully_shard(modules, mp_policy=policy)`` would make on this release, for
+    the ``params`` it would manage, as :class:`ParamDtypeMapError`; nothing is modified."""
+    resolved: ResolvedMap | None = None
+    if has_map(policy):
+        assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)
+        resolved = resolve_param_dtype_map(modules, params, policy)
+        if uses_native(release, params, resolved, policy):
+            return
+    if not release.keeps_requires_grad:
+        fqns: dict[int, tuple[str, ...]] = {}
+        for module in modules:
+            for name, param in module.named_parameters(remove_duplicate=False):
+                fqns.setdefault(id(param), (name,))
+        check_manageable(params, resolved.fqns if resolved else fqns)

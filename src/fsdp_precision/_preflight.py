@@ -1,0 +1,47 @@
+"""Check every planned ``fully_shard`` call before the first one is made.
+
+torch refuses some units only when it reaches them (a map key a call cannot take, 2.11's
+non-floating parameters, a scalar, an already sharded parameter); by then the inner units are
+sharded and the model is half-wrapped. :func:`check_plan` runs the same checks for every call
+first, on the parameters each call will manage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_precision._patch import SUPPORTED_RELEASES, check_planned_call, torch_release
+
+if TYPE_CHECKING:
+    from fsdp_precision._records import PrecisionPlan
+
+__all__ = ["check_plan"]
+
+
+def check_plan(plan: PrecisionPlan, ignored_params: Collection[nn.Parameter]) -> None:
+    """Raise what any planned call would refuse; touches nothing."""
+    ignored = {id(p) for p in ignored_params}
+    supported = torch_release() in SUPPORTED_RELEASES
+    for unit in plan.units:
+        params = []
+        for planned in unit.params:
+            param = plan.model.get_parameter(planned.fqn)
+            if id(param) in ignored:
+                continue
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {planned.fqn!r} is already sharded (a DTensor): the model was "
+                    "wrapped before. Plan and wrap a model that fully_shard has not touched"
+                )
+            if param.dim() == 0:
+                raise ValueError(
+                    f"unit [{unit.name}] would manage the 0-dim parameter {planned.fqn!r}, which "
+                    "torch's fully_shard cannot shard; pass it in ignored_params"
+                )
+            params.append(param)
+        if supported:  # elsewhere there is no map to check (apply_param_dtype_map_patch raised)
+            check_planned_call(unit.modules, params, unit.policy)
