@@ -234,7 +234,10 @@ class PrecisionPlan:
 
     def totals(self) -> dict[str, Any]:
         """Units, collectives per step and bytes all-gathered per step, for this plan."""
-        return _cost.totals(self.units, self.world_size, self.knobs)
+        totals = _cost.totals(self.units, self.world_size, self.knobs)
+        # Each trainable replicated (0-dim) parameter: one gradient all-reduce per backward.
+        totals["all_reduces_per_step"] += sum(p.reduce is not None for p in self.replicated)
+        return totals
 
     def alternatives(self) -> dict[str, dict[str, Any]]:
         """The same model under a uniform policy and under separate fp32 child units."""

@@ -118,6 +118,15 @@ def to_dict(plan: PrecisionPlan) -> dict[str, Any]:
             }
             for d in plan.declarations
         ],
+        "replicated": [
+            {"fqn": p.fqn, "storage": _dt(p.storage), "trainable": p.reduce is not None}
+            for p in plan.replicated
+        ],
+        "not_units": [
+            {"module": s.module, "reason": s.reason}
+            for s in (plan.unit_choice.skipped if plan.unit_choice else ())
+        ],
+        "parameter_uses": plan.unit_choice.traced if plan.unit_choice else None,
         "totals": plan.totals(),
         "alternatives": plan.alternatives(),
     }
@@ -158,6 +167,7 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         previous = signature
         lines.extend(_unit_lines(plan, unit, max_params))
     flush()
+    lines.extend(_placement_lines(plan))
     lines.append("")
     lines.append("rules (first match wins):")
     for label, claim in claim_labels(plan.claims):
@@ -174,7 +184,11 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         "",
         f"per step: {totals['all_gathers_per_step']} all-gathers, "
         f"{totals['reduce_scatters_per_step']} reduce-scatters, "
-        + (f"{totals['all_reduces_per_step']} all-reduces, " if plan.hsdp else "")
+        + (
+            f"{totals['all_reduces_per_step']} all-reduces, "
+            if plan.hsdp or plan.replicated
+            else ""
+        )
         + f"{totals['all_gather_bytes_per_step']:,} bytes all-gathered ({totals['units']} units)",
         f"  uniform policy:       same collectives, "
         f"{alt['uniform']['all_gather_bytes_per_step']:,} bytes (kept params lose precision)",
@@ -184,6 +198,24 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         else f"  separate fp32 units:  not possible: {separate['note']}",
     ]
     return "\n".join(lines)
+
+
+def _placement_lines(plan: PrecisionPlan) -> list[str]:
+    """The replicated 0-dim parameters and the modules refused as units, with the reasons."""
+    lines: list[str] = []
+    if plan.replicated:
+        lines.append(
+            "replicated (0-dim: in no unit, whole on every rank, computing in their storage "
+            "dtype; each trainable one's gradient averaged by one all-reduce per step):"
+        )
+        lines.extend(f"    {p.fqn:<48} {dtype_name(p.storage):>8}" for p in plan.replicated)
+    choice = plan.unit_choice
+    if choice is not None and choice.skipped:
+        lines.append("not units (selected by the wrap policy; torch could not run them as units):")
+        lines.extend(f"    {s.module}: {s.reason}" for s in choice.skipped)
+    if choice is not None:
+        lines.append(f"parameter uses: {choice.traced}")
+    return lines
 
 
 def _unit_lines(plan: PrecisionPlan, unit: PlannedUnit, max_params: int) -> list[str]:

@@ -154,8 +154,8 @@ def choose_units(
         use = usage.outside(module_names[id(module)], [param_names[p] for p in remaining])
         if use is not None:
             return (
-                f"its parameter {use.param!r} is used outside its forward: {use.how} in "
-                f"{use.where!r}'s forward ({use.source}), where it would still be sharded"
+                f"its parameter {use.param!r} is used outside its forward, where it would "
+                f"still be sharded: {use.how} in the forward of {use.where} ({use.source})"
             )
         return None
 

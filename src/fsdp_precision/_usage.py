@@ -14,10 +14,11 @@ was used. :func:`param_usage` collects them from two sources:
   every op and attribute read (``.dtype``) that touches a parameter, and global module hooks
   record which forwards are running. No gradient, no randomness consumed (the RNG is forked),
   training flags restored. A forward that fails part-way keeps what it saw.
-* **Static facts** that hold on every input: a model calls the module its
-  ``get_input_embeddings()`` / ``get_output_embeddings()`` returns from its own forward
-  (multimodal models embed tokens in the outer model), and a model whose class code reads
-  ``self.dtype`` reads the parameter that property picks.
+* **Static facts** that hold on every input, from the model's own class code (not library
+  base classes): a model whose code calls ``self.get_input_embeddings()`` (or
+  ``get_output_embeddings()``) runs that module from its own forward (multimodal models embed
+  tokens in the outer model), and a model whose code reads ``self.dtype`` reads the parameter
+  that property picks.
 """
 
 from __future__ import annotations
@@ -205,8 +206,8 @@ def _is_model_code(module: str) -> bool:
     return not module.startswith(("torch.", "accelerate.", "peft.", "builtins"))
 
 
-def _reads_self_dtype(cls: type) -> bool:
-    """Whether the model's own class code reads ``self.dtype``."""
+def _own_code_contains(cls: type, text: str) -> bool:
+    """Whether the model's own class code (its classes, not library bases) contains ``text``."""
     for klass in cls.__mro__:
         if not _is_model_code(getattr(klass, "__module__", "") or ""):
             continue
@@ -214,7 +215,7 @@ def _reads_self_dtype(cls: type) -> bool:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        if "self.dtype" in source:
+        if text in source:
             return True
     return False
 
@@ -234,7 +235,7 @@ def _static_uses(model: nn.Module) -> list[Use]:
         name = modules[id(module)]
         for getter in ("get_input_embeddings", "get_output_embeddings"):
             fn = getattr(module, getter, None)
-            if not callable(fn):
+            if not callable(fn) or not _own_code_contains(type(module), f"self.{getter}()"):
                 continue
             try:
                 target = fn()
@@ -254,7 +255,7 @@ def _static_uses(model: nn.Module) -> list[Use]:
                 uses.append(
                     Use(params[id(param)], name, f"calls {getter}()", active, f"{getter}()")
                 )
-        if "dtype" in dir(type(module)) and _reads_self_dtype(type(module)):
+        if "dtype" in dir(type(module)) and _own_code_contains(type(module), "self.dtype"):
             recorder = _Recorder(params, list(_path(name)), dtype_only=True)
             try:
                 with recorder:
