@@ -396,6 +396,39 @@ def case_self_dtype_read_trains() -> None:
         blind(feats())
 
 
+def case_unit_guard_names_the_module_outside_its_unit() -> None:
+    from fsdp_precision import UnitUsageError
+    from fsdp_precision.testing import unit_guard, verify_parity
+
+    torch.manual_seed(0)
+    blind = Outer()
+    plan = compile_param_dtype_maps(blind, DistributedConfig().precision(), [blind.lm, blind])
+    plan.apply()
+    with pytest.raises(
+        UnitUsageError,
+        match=r"parameter 'lm.embed.weight' was used \(embedding\) in the forward of lm.embed, "
+        r"outside its FSDP unit \[lm\], which was not gathered",
+    ):
+        with unit_guard(plan):
+            blind(ids())
+    torch.manual_seed(0)
+    reader = DtypeReader()
+    plan = compile_param_dtype_maps(reader, DistributedConfig().precision(), [reader.body, reader])
+    with pytest.raises(
+        UnitUsageError,
+        match=r"'body.weight' was used \(is_floating_point\) in the forward of <root>, outside its FSDP unit \[body\]",
+    ):
+        verify_parity(plan, {"x": torch.ones(4, 16)})
+    # Negative control: units torch can run pass the guard, forward and backward.
+    torch.manual_seed(0)
+    good = Outer()
+    plan = plan_model_for_training(good, DistributedConfig(fsdp_auto_wrap_min_params=0))
+    plan.apply()
+    with unit_guard(plan):
+        good(ids()).float().pow(2).mean().backward()
+        good(ids()).float().pow(2).mean().backward()
+
+
 CASES = collect_cases(globals())
 
 results, test_two_ranks = distributed_suite(2, __name__, CASES)

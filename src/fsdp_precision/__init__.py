@@ -36,6 +36,7 @@ from ._errors import (
     ParamDtypeMapError,
     PatchIntegrityError,
     StateDictMismatchError,
+    UnitUsageError,
     UnsupportedTorchError,
 )
 from ._patch import (
@@ -76,6 +77,7 @@ __all__ = [
     "PrecisionPlan",
     "PrecisionRules",
     "StateDictMismatchError",
+    "UnitUsageError",
     "UnsupportedTorchError",
     "apply_param_dtype_map_patch",
     "auto_wrap_units",

@@ -91,3 +91,8 @@ class StateDictMismatchError(CheckpointError):
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable with its lists: ranks exchange errors so that every rank raises the same one.
         return (type(self), (str(self),), self.__dict__)
+
+
+class UnitUsageError(FsdpPrecisionError, RuntimeError):
+    """A parameter was used while its FSDP unit was not gathered (a module run, or a parameter
+    read, outside its unit's forward); raised by ``fsdp_precision.testing.unit_guard``."""

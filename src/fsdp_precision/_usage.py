@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["ParamUsage", "Use", "param_usage"]
+__all__ = ["ROOT", "ParamUsage", "Use", "module_stack", "param_usage"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Recorder(TorchFunctionMode):
 
 
 @contextmanager
-def _module_stack(modules: dict[int, str], stack: list[str]) -> Iterator[None]:
+def module_stack(modules: dict[int, str], stack: list[str]) -> Iterator[None]:
     """Push a module's FQN while its forward runs (global hooks; exceptions included)."""
     from torch.nn.modules.module import (
         register_module_forward_hook,
@@ -190,7 +190,7 @@ def _trace(
     stack: list[str] = []
     recorder = _Recorder(params, stack)
     error = ""
-    with _quiet_eval(model), _module_stack(modules, stack), recorder:
+    with _quiet_eval(model), module_stack(modules, stack), recorder:
         try:
             _call(model, moved)
         except Exception as exc:  # noqa: BLE001 - keep what the forward saw before failing

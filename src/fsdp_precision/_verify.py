@@ -45,6 +45,7 @@ from fsdp_precision._compare import (
     output_of,
     same_bits,
 )
+from fsdp_precision._guard import unit_guard
 from fsdp_precision._observe import GatherProbe
 from fsdp_precision._parity_report import ParamParity, ParityReport
 from fsdp_precision._ranks import gather_across_ranks
@@ -100,7 +101,9 @@ def verify_parity(
     ``context`` (e.g. ``lambda: torch.autocast("cpu")``) wraps both forwards. Every rank must
     call this (it runs collectives); every rank returns the same report.
 
-    Raises ``ValueError`` when the model is already wrapped.
+    Raises ``ValueError`` when the model is already wrapped, and
+    :class:`~fsdp_precision.UnitUsageError` naming the module and its unit when the forward
+    uses a parameter outside its unit (:func:`unit_guard`).
     """
     from torch.distributed.tensor import DTensor
 
@@ -119,6 +122,7 @@ def verify_parity(
 
     with ExitStack() as stack:
         seen = stack.enter_context(GatherProbe(model)).seen
+        stack.enter_context(unit_guard(plan))  # a module run outside its unit: named
         stack.enter_context(make_context())
         torch.manual_seed(seed)
         out = model(**inputs)

@@ -12,6 +12,7 @@ benchmarks use these same names.
 from __future__ import annotations
 
 from fsdp_precision._compare import Comparison, compare, gradient_tolerance, loss_of, output_of
+from fsdp_precision._guard import unit_guard
 from fsdp_precision._launch import launch, process_group
 from fsdp_precision._observe import Collective, CollectiveRecorder, GatheredParam, GatherProbe
 from fsdp_precision._parity_report import ParamParity, ParityReport
@@ -39,6 +40,7 @@ __all__: list[str] = [
     "output_of",
     "process_group",
     "tiny_config",
+    "unit_guard",
     "verify_parity",
     "wrap_separate_units",
 ]

@@ -1,0 +1,102 @@
+"""A runtime guard: name the module used outside its FSDP unit instead of torch's DTensor error.
+
+Inside a unit's forward FSDP registers the gathered (unsharded) parameters, so model code never
+sees a sharded one. A sharded parameter (a ``DTensor``) reaching an op, or having its ``.dtype``
+read, from model code therefore means a module ran, or a parameter was read, while its unit was
+not gathered: torch then fails with "mixed torch.Tensor and DTensor" or computes with the
+storage dtype. :func:`unit_guard` raises :class:`~fsdp_precision.UnitUsageError` at that first
+use, naming the parameter, the module whose forward was running and the parameter's unit.
+FSDP's own code (and this library's) handles sharded parameters legitimately and is not checked.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from fsdp_precision._errors import UnitUsageError
+from fsdp_precision._records import PrecisionPlan
+from fsdp_precision._usage import ROOT, module_stack
+
+__all__ = ["unit_guard"]
+
+#: Code that handles sharded parameters by design.
+_TRUSTED = ("torch.distributed", "torch.utils", "torch.autograd", "fsdp_precision")
+#: Code between the caller and the op (functional wrappers, nn layers, ``Module.__call__``):
+#: skipped to find who really used the parameter.
+_PLUMBING = (
+    "torch.overrides",
+    "torch.nn.functional",
+    "torch.functional",
+    "torch._tensor",
+    "torch.nn.modules",
+)
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PLUMBING):
+        frame = frame.f_back  # type: ignore[assignment]
+    return "" if frame is None else str(frame.f_globals.get("__name__", ""))
+
+
+class _Guard(TorchFunctionMode):
+    def __init__(self, sharded: dict[int, tuple[str, str]], stack: list[str]) -> None:
+        super().__init__()
+        self.sharded = sharded
+        self.stack = stack
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, DTensor) and id(leaf) in self.sharded:
+                if not _caller().startswith(_TRUSTED):
+                    self._raise(func, leaf)
+        return func(*args, **kwargs)
+
+    def _raise(self, func: Callable[..., Any], leaf: DTensor) -> None:
+        fqn, unit = self.sharded[id(leaf)]
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":
+            name = "a read of ." + getattr(getattr(func, "__self__", None), "__name__", "?")
+        where = self.stack[-1] if self.stack else ROOT
+        raise UnitUsageError(
+            f"parameter {fqn!r} was used ({name}) in the forward of {where}, outside its FSDP "
+            f"unit [{unit}], which was not gathered: torch would fail with 'mixed torch.Tensor "
+            f"and DTensor' or compute with the storage dtype. Make [{unit}] not a unit (or "
+            f"make the module owning {fqn!r} its own unit): wrap_model_for_training and "
+            "plan_model_for_training choose units torch can run"
+        )
+
+
+@contextmanager
+def unit_guard(plan: PrecisionPlan) -> Iterator[None]:
+    """While active, a sharded parameter of ``plan.model`` used by model code raises
+    :class:`~fsdp_precision.UnitUsageError` naming it, the running module and its unit.
+
+    Enter it after :meth:`PrecisionPlan.apply`, around forwards (``fsdp-precision verify`` does).
+    """
+    model: nn.Module = plan.model
+    unit_of = {p.fqn: u.name for u in plan.units for p in u.params}
+    sharded = {
+        id(p): (fqn, unit_of.get(fqn, "?"))
+        for fqn, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    modules = {id(m): (n or ROOT) for n, m in model.named_modules()}
+    stack: list[str] = []
+    with module_stack(modules, stack), _Guard(sharded, stack):
+        yield
