@@ -31,9 +31,24 @@ class RankDependent(Net):
         return super().forward(x * (1 + dist.get_rank()))
 
 
+class TrainingOnlyRead(torch.nn.Module):
+    """A parameter read outside its unit only in training mode, which the planner's traced
+    forward (in eval mode) does not take: the runtime guard of ``verify`` must name it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x.to(next(self.body.parameters()).dtype)
+        return self.head(self.body(x) + x)
+
+
 def example_inputs(model: torch.nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """Inputs for the models of this module that have no ``example_inputs`` method."""
     return {"x": torch.randn(4, 16, generator=generator)}
 
 
-__all__ = ["Block", "RankDependent", "TinyNet", "example_inputs"]
+__all__ = ["Block", "RankDependent", "TinyNet", "TrainingOnlyRead", "example_inputs"]

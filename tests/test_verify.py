@@ -188,6 +188,17 @@ def test_negative_control_rank_dependent_forward_fails() -> None:
     assert "fsdp-precision:" not in out.stderr  # a finding, not an error
 
 
+@pytest.mark.distributed
+def test_the_guard_names_a_module_used_outside_its_unit() -> None:
+    out = verify("_verify_models:TrainingOnlyRead", "--min-params", "0")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (
+        "UnitUsageError: parameter 'body.weight' was used (a read of .dtype) in the forward of "
+        "<root>, outside its FSDP unit [body], which was not gathered"
+    ) in out.stderr, out.stderr[-3000:]
+    assert "got mixed torch.Tensor and DTensor" not in out.stderr  # not torch's own error
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -79,7 +79,9 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     if opts.min_params is None:
         units = default_units(model)
     else:
-        units = auto_wrap_units(model, opts.min_params)
+        # The check's own inputs feed the traced forward that keeps units torch cannot run out.
+        inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+        units = auto_wrap_units(model, opts.min_params, example_inputs=inputs)
     plan = compile_param_dtype_maps(model, config.precision(), units, world_size=opts.nproc)
     return model, plan
 
