@@ -6,7 +6,8 @@
 
 For each release: create (or reuse) ``VENV_ROOT/torch-X.Y.Z``, install ``torch==X.Y.Z`` (from
 the local wheel when the pip configuration has one, else from PyPI), then ``numpy``, ``pytest``
-and ``pytest-timeout``, then this project, editable and without dependencies (so that pip never
+and ``pytest-timeout``, the ``hf`` extra (transformers, diffusers, safetensors) with the
+installed torch pinned, then this project, editable and without dependencies (so that pip never
 swaps the torch under test), and run ``python -m pytest -q`` in the repository root. Prints one
 line per release; exits non-zero if any release failed.
 
@@ -25,6 +26,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +38,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED_MAX = (2, 14, 1)
 DEFAULT_VENV_ROOT = Path("/work/venvs")
 TEST_PACKAGES = ("numpy", "pytest", "pytest-timeout")
+
+
+def hf_packages() -> list[str]:
+    """The project's ``hf`` extra (transformers, diffusers, safetensors), read from pyproject:
+    without them the Hugging Face tests would skip on every release but the CI one."""
+    text = (ROOT / "pyproject.toml").read_text()
+    line = re.search(r"^hf = \[(.*)\]$", text, re.MULTILINE)
+    if line is None:
+        raise RuntimeError("pyproject.toml has no one-line 'hf = [...]' optional dependency")
+    return re.findall(r'"([^"]+)"', line.group(1))
 
 
 @dataclass
@@ -145,6 +157,12 @@ def prepare_venv(version: str, venv: Path, log: TextIO) -> Path:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if _run(cmd + list(TEST_PACKAGES), log) != 0:
         raise RuntimeError("pip could not install the test tools; see the log")
+    # The hf extra, with the installed torch pinned: its dependencies never swap the torch.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as pin:
+        pin.write(f"torch=={_installed_torch(python)}\n")
+        pin.flush()
+        if _run(cmd + ["-c", pin.name, *hf_packages()], log) != 0:
+            raise RuntimeError("pip could not install the hf extra; see the log")
     if _run(cmd + ["--no-deps", "-e", str(ROOT)], log) != 0:
         raise RuntimeError(f"pip could not install {ROOT} (editable); see the log")
     installed = _installed_torch(python)

@@ -92,3 +92,11 @@ def test_bad_release_is_refused_before_anything_runs(capsys: pytest.CaptureFixtu
     assert (
         "'2.12' is not of the form MAJOR.MINOR.PATCH; pass e.g. 2.12.1" in capsys.readouterr().err
     )
+
+
+def test_hf_extra_is_read_from_pyproject() -> None:
+    """The runner installs the same hf extra as ``pip install .[hf]`` (a TOML parse agrees)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((_PATH.parents[1] / "pyproject.toml").read_text())["project"]
+    assert compat.hf_packages() == project["optional-dependencies"]["hf"]
+    assert any(p.startswith("transformers") for p in compat.hf_packages())
