@@ -77,7 +77,9 @@ def sample_mse(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(**batch).sample.float().pow(2).mean()  # type: ignore[no-any-return]
 
 
-def _ids(g: torch.Generator, shape: tuple[int, int] = (2, 8), high: int = VOCAB - 1) -> torch.Tensor:
+def _ids(
+    g: torch.Generator, shape: tuple[int, int] = (2, 8), high: int = VOCAB - 1
+) -> torch.Tensor:
     return torch.randint(3, high, shape, generator=g)
 
 
@@ -105,7 +107,9 @@ def image_batch(size: int = 16, classes: int = 4) -> Callable[[torch.Generator],
     return make
 
 
-def image_ids(g: torch.Generator, n_image: int, n_text: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+def image_ids(
+    g: torch.Generator, n_image: int, n_text: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` of ``n_image`` image tokens then ``n_text`` text tokens, and labels (text)."""
     text = _ids(g, (2, n_text), high=IMAGE_TOKEN)
     ids = torch.cat([torch.full((2, n_image), IMAGE_TOKEN), text], dim=1)
@@ -674,35 +678,30 @@ def wan_batch(g: torch.Generator) -> Batch:
 
 # ------------------------------------------------------------------ the table
 
-_NORM_W = Glob("*norm*.weight")
 _LN = ModuleClass(nn.LayerNorm)
-_TIME = Glob("time_text_embed.*")  # the timestep embedding
+_QK_NORMS = (Glob("*.norm_q.weight"), Glob("*.norm_k.weight"))
 
 _TABLE = [
-    ScreenArch("llama", llama, lm_batch, hf_loss, (_NORM_W,), "h32 ff64 2L 4/2 heads"),
-    ScreenArch("qwen2", qwen2, lm_batch, hf_loss, (_NORM_W,), "h32 ff64 2L 4/2 heads"),
-    ScreenArch("qwen3", qwen3, lm_batch, hf_loss, (_NORM_W,), "h32 2L head_dim 8, q/k norms"),
-    ScreenArch("gemma2", gemma2, lm_batch, hf_loss, (_NORM_W,), "h32 2L, sliding 4, tied"),
-    ScreenArch("phi3", phi3, lm_batch, hf_loss, (_NORM_W,), "h32 ff64 2L fused qkv"),
+    ScreenArch("llama", llama, lm_batch, hf_loss, (), "h32 ff64 2L 4/2 heads"),
+    ScreenArch("qwen2", qwen2, lm_batch, hf_loss, (), "h32 ff64 2L 4/2 heads"),
+    ScreenArch("qwen3", qwen3, lm_batch, hf_loss, (), "h32 2L head_dim 8, q/k norms"),
+    ScreenArch("gemma2", gemma2, lm_batch, hf_loss, (), "h32 2L head_dim 8, sliding 4, untied"),
+    ScreenArch("phi3", phi3, lm_batch, hf_loss, (), "h32 ff64 2L fused qkv"),
     ScreenArch("gpt2", gpt2, lm_batch, hf_loss, (_LN,), "n_embd 32, 2L, tied wte/lm_head"),
     ScreenArch("opt", opt, lm_batch, hf_loss, (_LN,), "h32 ffn64 2L, tied"),
-    ScreenArch(
-        "mixtral", mixtral, lm_batch, hf_loss, (Glob("*.gate.weight"),), "h32 2L 4 experts top2"
-    ),
+    ScreenArch("mixtral", mixtral, lm_batch, hf_loss, (), "h32 2L 4 experts top2"),
     ScreenArch(
         "qwen3_moe",
         qwen3_moe,
         lm_batch,
         hf_loss,
-        (Glob("*.mlp.gate.weight"),),
+        (),
         "h32 2L 4 experts top2 moe_ff16",
     ),
     ScreenArch(
         "deepseek_v3", deepseek_v3, lm_batch, hf_loss, (), "h32 2L (1 dense), 4 experts, MLA"
     ),
-    ScreenArch(
-        "t5", t5, seq2seq_batch, hf_loss, (Glob("*layer_norm.weight"),), "d32 ff64 2+2L, tied"
-    ),
+    ScreenArch("t5", t5, seq2seq_batch, hf_loss, (Glob("*.wo.weight"),), "d32 ff64 2+2L, tied"),
     ScreenArch("bart", bart, seq2seq_batch, hf_loss, (_LN,), "d32 ff64 1+1L, tied"),
     ScreenArch("whisper", whisper, whisper_batch, hf_loss, (_LN,), "d32 1+1L, 8 mels x 16"),
     ScreenArch("bert", bert, mlm_batch, hf_loss, (_LN,), "h32 ff64 2L MLM, tied"),
@@ -713,7 +712,7 @@ _TABLE = [
         convnext,
         image_batch(16),
         hf_loss,
-        (Glob("*layernorm.weight"),),
+        (_LN,),
         "2 stages 16/32 ch, depth 1+1",
     ),
     ScreenArch("clip", clip, pair_batch, hf_loss, (_LN,), "1L text + 1L vision h32, proj 16"),
@@ -723,7 +722,7 @@ _TABLE = [
         llava,
         llava_batch,
         hf_loss,
-        (_NORM_W,),
+        (_LN,),
         "CLIP vision 1L h32 16px/8 + Llama h32 2L, 4 image tokens",
     ),
     ScreenArch(
@@ -731,7 +730,7 @@ _TABLE = [
         blip2_opt,
         blip2_batch,
         hf_loss,
-        (_LN,),
+        (Glob("vision_model.*layer_norm*"),),  # the Q-Former casts to its LayerNorm's dtype
         "vision 1L + Q-Former 1L, 4 queries + OPT h32 2L (tied)",
     ),
     ScreenArch(
@@ -739,7 +738,7 @@ _TABLE = [
         qwen2_vl,
         qwen2_vl_batch,
         hf_loss,
-        (_NORM_W,),
+        (_LN,),
         "vision depth 1 d32 + text h32 2L, mrope, 4 image tokens",
     ),
     ScreenArch(
@@ -747,13 +746,22 @@ _TABLE = [
         smolvlm,
         smolvlm_batch,
         hf_loss,
-        (_NORM_W,),
+        (_LN,),
         "vision 1L h32 32px/8 + Llama h32 2L, scale 2, 4 image tokens",
     ),
-    ScreenArch("mamba", mamba, lm_batch, hf_loss, (_NORM_W,), "h32 2L state 4"),
-    ScreenArch("mamba2", mamba2, lm_batch, hf_loss, (_NORM_W,), "h32 2L 8 heads x 8, chunk 4"),
-    ScreenArch("flux", flux, flux_batch, sample_mse, (_TIME,), "1 double + 1 single block"),
-    ScreenArch("sd3", sd3, sd3_batch, sample_mse, (_TIME,), "1 joint block, 8x8 latents"),
+    ScreenArch(
+        "mamba", mamba, lm_batch, hf_loss, (Glob("*.A_log"), Glob("*.D")), "h32 2L state 4, untied"
+    ),
+    ScreenArch(
+        "mamba2",
+        mamba2,
+        lm_batch,
+        hf_loss,
+        (Glob("*.A_log"), Glob("*.dt_bias")),
+        "h32 2L 8 heads x 8, chunk 4",
+    ),
+    ScreenArch("flux", flux, flux_batch, sample_mse, _QK_NORMS, "1 double + 1 single block"),
+    ScreenArch("sd3", sd3, sd3_batch, sample_mse, (), "1 joint block, 8x8 latents"),
     ScreenArch("wan", wan, wan_batch, sample_mse, (), "2 blocks, 2x4x4 latents"),
 ]
 
