@@ -1,3 +1,6 @@
+# mypy: disable-error-code="call-arg,arg-type,no-untyped-call,return-value"
+# (transformers 5 types each config's own __init__ but not the PretrainedConfig kwargs it
+# forwards, such as num_labels; Diffusers model constructors are untyped)
 """The architecture screen's models: real transformers/diffusers classes at tiny sizes, as data.
 
 Each :class:`ScreenArch` builds one architecture from its config class (no downloads, fp32
@@ -18,10 +21,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_precision import Glob, ModuleClass
+from fsdp_precision import DistributedConfig, Glob, ModuleClass
 from fsdp_precision._rules import Rule
 
-__all__ = ["ARCHS", "ScreenArch", "batch_of", "build"]
+__all__ = [
+    "ARCHS",
+    "LR",
+    "STEPS",
+    "ScreenArch",
+    "batch_of",
+    "build",
+    "threshold",
+    "train_unwrapped",
+]
 
 VOCAB = 96
 IMAGE_TOKEN = 95  # the last id of VOCAB: an image placeholder in multimodal input_ids
@@ -62,6 +74,33 @@ def build(arch: ScreenArch, seed: int = 0) -> nn.Module:
 def batch_of(arch: ScreenArch, step: int, rank: int = 0) -> Batch:
     """``arch``'s batch for ``step`` on ``rank`` (deterministic; ranks see different data)."""
     return arch.batch(torch.Generator().manual_seed(1000 + 100 * rank + step))
+
+
+STEPS = 2
+LR = 1e-3
+
+
+def threshold(model: nn.Module, fraction: float | None) -> int:
+    """``fsdp_auto_wrap_min_params`` for ``fraction`` of ``model``'s parameters."""
+    if fraction is None:
+        return int(DistributedConfig().fsdp_auto_wrap_min_params)
+    return int(sum(p.numel() for p in model.parameters()) * fraction)
+
+
+def train_unwrapped(arch: ScreenArch, rank: int) -> tuple[list[float], set[str]]:
+    """Losses of ``STEPS`` fp32 AdamW steps of the unwrapped model, and the FQNs that changed."""
+    model = build(arch)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = arch.loss(model, batch_of(arch, step, rank))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    changed = {k for k, p in model.named_parameters() if not torch.equal(p.detach(), before[k])}
+    return losses, changed
 
 
 # ------------------------------------------------------------------ losses and inputs

@@ -26,43 +26,17 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
+from _screen_models import ARCHS, LR, STEPS, ScreenArch, batch_of, build, threshold, train_unwrapped
 from fsdp_precision.testing import GatherProbe
 
 from _harness import collect_cases, distributed_suite
-from _screen_models import ARCHS, ScreenArch, batch_of, build
 
 #: Threshold label -> fraction of the model's parameter count (``None``: the config's default).
 THRESHOLDS: dict[str, float | None] = {"t0": 0.0, "t3pct": 0.03, "t25pct": 0.25, "default": None}
-STEPS = 2
-LR = 1e-3
 LOSS_RTOL = 0.05  # bf16 compute against fp32, first step
-
-
-def threshold(model: nn.Module, fraction: float | None) -> int:
-    """``fsdp_auto_wrap_min_params`` for ``fraction`` of ``model``'s parameters."""
-    if fraction is None:
-        return fp.DistributedConfig().fsdp_auto_wrap_min_params
-    return int(sum(p.numel() for p in model.parameters()) * fraction)
-
-
-def train_unwrapped(arch: ScreenArch, rank: int) -> tuple[list[float], set[str]]:
-    """Losses of ``STEPS`` fp32 AdamW steps of the unwrapped model, and the FQNs that changed."""
-    model = build(arch)
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = arch.loss(model, batch_of(arch, step, rank))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    changed = {k for k, p in model.named_parameters() if not torch.equal(p.detach(), before[k])}
-    return losses, changed
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -108,7 +82,7 @@ def screen(arch: ScreenArch, fraction: float | None) -> None:
     with GatherProbe(model) as probe:
         for step in range(STEPS):
             loss = arch.loss(model, batch_of(arch, step, rank))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optim.step()
             optim.zero_grad()
             losses.append(loss.item())
