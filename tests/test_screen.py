@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from _screen_models import ARCHS, LR, STEPS, ScreenArch, batch_of, build, threshold, train_unwrapped
 from fsdp_precision.testing import GatherProbe
 
 from _harness import collect_cases, distributed_suite
+from _screen_models import ARCHS, LR, STEPS, ScreenArch, batch_of, build, threshold, train_unwrapped
 
 #: Threshold label -> fraction of the model's parameter count (``None``: the config's default).
 THRESHOLDS: dict[str, float | None] = {"t0": 0.0, "t3pct": 0.03, "t25pct": 0.25, "default": None}

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from _screen_models import ARCHS, LR, ScreenArch, batch_of, build, threshold, train_unwrapped
 
 from _harness import collect_cases, distributed_suite
+from _screen_models import ARCHS, LR, ScreenArch, batch_of, build, threshold, train_unwrapped
 
 LOSS_RTOL = 0.05  # bf16 compute against the unwrapped fp32 model
 

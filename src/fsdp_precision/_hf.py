@@ -130,3 +130,28 @@ def declarations(model: nn.Module, dtype: torch.dtype) -> list[Declaration]:
             )
         )
     return result
+
+
+def keep_output_recording(modules: Iterator[nn.Module] | list[nn.Module]) -> int:
+    """Re-register transformers' output recording for modules whose class ``fully_shard`` swapped.
+
+    ``fully_shard`` turns a module's class into ``FSDP<Name>``. transformers 5 looks a model's
+    ``_can_record_outputs`` up by class name (``output_capturing._CAN_RECORD_REGISTRY``, filled
+    in ``post_init``), so a wrapped vision tower or decoder would record no hidden states and
+    LLaVA's ``image_outputs.hidden_states`` would be ``None``. Each wrapped module is registered
+    again the way ``post_init`` registers it. Returns how many were; 0 when transformers (or the
+    registry) is absent.
+    """
+    import sys
+
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    if registry is None:
+        return 0
+    count = 0
+    for module in modules:
+        flags = getattr(module, "_can_record_outputs", None)
+        if flags:
+            registry[module] = flags
+            count += 1
+    return count

@@ -213,6 +213,7 @@ class PrecisionPlan:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)
         average_gradients(scalars, kwargs.get("mesh"))
+        _hf.keep_output_recording([m for u in self.units for m in u.modules])
         return self.model
 
     def check(self, *, ignored_params: Any = None) -> None:
