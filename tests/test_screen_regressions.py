@@ -15,7 +15,10 @@ auto-wrap (the state before issue 12's fix):
 * a 0-dim parameter: CLIP's ``logit_scale``, which ``fully_shard`` refuses at the root call,
   after the inner units are sharded. Either it trains, or the refusal comes before anything is
   sharded (no parameter is a DTensor afterwards) and names the parameter;
-* BLIP-2 with OPT, whose embedding is tied to ``lm_head`` and so never its own unit (25%).
+* BLIP-2 with OPT, whose embedding is tied to ``lm_head`` and so never its own unit (25%);
+* a wrapped module whose class transformers looks up by name: ``fully_shard`` swaps LLaVA's
+  vision tower to ``FSDPCLIPVisionModel``, and transformers 5's output recording (keyed by class
+  name) recorded no hidden states ("'NoneType' object is not subscriptable").
 """
 
 from __future__ import annotations
@@ -92,6 +95,30 @@ def case_scalar_param_clip_logit_scale() -> None:
 
 def case_blip2_opt_tied_embedding() -> None:
     one_step("blip2_opt", 0.25)
+
+
+def case_wrapped_vision_tower_still_records_hidden_states() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    arch = ARCHS["llava"]
+    model = build(arch)
+    units = [model.model.vision_tower, model.model, model]
+    fp.compile_param_dtype_maps(model, fp.DistributedConfig().precision(), units).apply()
+    assert math.isfinite(arch.loss(model, batch_of(arch, 0, dist.get_rank())).item())
+    # Negative control: the same units through plain fully_shard, without the registration
+    # (earlier cases in this process registered the FSDP class names), lose the recording.
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    plain = build(arch)
+    for module in [plain.model.vision_tower, plain.model, plain]:
+        fully_shard(module)
+        dict.pop(_CAN_RECORD_REGISTRY, str(type(module)), None)
+    try:
+        arch.loss(plain, batch_of(arch, 0, dist.get_rank()))
+    except TypeError as exc:
+        assert "'NoneType' object is not subscriptable" in str(exc), exc
+    else:
+        raise AssertionError("plain fully_shard kept the hidden states: the control is void")
 
 
 CASES = collect_cases(globals())
