@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from _hf_models import ARCHS, wan_model
 from fsdp_precision import PrecisionRules, compile_param_dtype_maps, hf
 from fsdp_precision.testing import verify_parity
+
+from _hf_models import ARCHS, wan_model
 
 fp32 = torch.float32
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision import DistributedConfig, Glob, ModuleClass
-from fsdp_precision._rules import Rule
+
+from _hf_models import deepseek_v3  # the tiny DeepSeek-V3 the HF parity tests use
 
 __all__ = [
     "ARCHS",
@@ -57,7 +58,7 @@ class ScreenArch:
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], Batch]
     loss: Callable[[nn.Module, Batch], torch.Tensor]
-    rules: tuple[Rule, ...] = ()
+    rules: tuple[Glob | ModuleClass, ...] = ()
     note: str = ""
 
 
@@ -255,33 +256,6 @@ def qwen3_moe() -> nn.Module:
         **_DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
     )
     return Qwen3MoeForCausalLM(cfg)
-
-
-def deepseek_v3() -> nn.Module:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
-        max_position_embeddings=64,
-    )
-    return DeepseekV3ForCausalLM(cfg)
 
 
 # ------------------------------------------------------------------ encoder-decoder

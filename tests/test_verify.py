@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from _hf_models import requires_transformers_5
 from fsdp_precision._cli import main
 from fsdp_precision.testing import (
     Comparison,
@@ -26,6 +25,8 @@ from fsdp_precision.testing import (
     compare,
     gradient_tolerance,
 )
+
+from _hf_models import requires_transformers_5
 
 CLI = [sys.executable, "-m", "fsdp_precision", "verify"]
 TESTS = str(Path(__file__).parent)
