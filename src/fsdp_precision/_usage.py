@@ -206,8 +206,19 @@ def _is_model_code(module: str) -> bool:
     return not module.startswith(("torch.", "accelerate.", "peft.", "builtins"))
 
 
+_CODE_CACHE: dict[tuple[str, str, str], bool] = {}
+
+
 def _own_code_contains(cls: type, text: str) -> bool:
-    """Whether the model's own class code (its classes, not library bases) contains ``text``."""
+    """Whether the model's own class code (its classes, not library bases) contains ``text``
+    (cached per class: ``inspect.getsource`` rescans the file)."""
+    key = (cls.__module__, cls.__qualname__, text)
+    if key not in _CODE_CACHE:
+        _CODE_CACHE[key] = _scan(cls, text)
+    return _CODE_CACHE[key]
+
+
+def _scan(cls: type, text: str) -> bool:
     for klass in cls.__mro__:
         if not _is_model_code(getattr(klass, "__module__", "") or ""):
             continue
