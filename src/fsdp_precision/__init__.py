@@ -48,6 +48,7 @@ from ._patch import (
 from ._policy import ParamDtypeMixedPrecisionPolicy
 from ._records import PlannedParam, PlannedUnit, PrecisionPlan
 from ._rules import Glob, ModuleClass, PrecisionRules
+from ._scope import model_policy
 from ._units import auto_wrap_units
 from ._wrap import (
     make_grad_scaler,
@@ -88,6 +89,7 @@ __all__ = [
     "load_checkpoint",
     "load_model_state_dict",
     "make_grad_scaler",
+    "model_policy",
     "model_state_dict",
     "plan_model_for_training",
     "read_checkpoint_metadata",

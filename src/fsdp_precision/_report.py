@@ -185,7 +185,8 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         f"per step: {totals['all_gathers_per_step']} all-gathers, "
         f"{totals['reduce_scatters_per_step']} reduce-scatters, "
         + (
-            f"{totals['all_reduces_per_step']} all-reduces, "
+            f"{totals['all_reduces_per_step']} all-reduce"
+            f"{'s' if totals['all_reduces_per_step'] != 1 else ''}, "
             if plan.hsdp or plan.replicated
             else ""
         )

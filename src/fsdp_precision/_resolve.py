@@ -29,11 +29,14 @@ class ResolvedMap:
         by_slot: ``(id(owning module), attribute name) -> mapped dtype`` for every place a mapped
             parameter is registered (aliases included); FSDP records one of them per parameter.
         fqns: ``id(parameter) -> local FQNs`` for every managed parameter, aliases included.
+        claims: Root-relative entries of a model-scoped policy this call resolves (recorded once
+            the call succeeds). (Default: empty)
     """
 
     by_param: dict[int, torch.dtype]
     by_slot: dict[tuple[int, str], torch.dtype]
     fqns: dict[int, tuple[str, ...]]
+    claims: frozenset[str] = frozenset()
 
 
 def _fmt(dtype: torch.dtype | None) -> str:
@@ -54,6 +57,8 @@ def resolve_param_dtype_map(
     conflicting dtypes, mapped non-floating parameters, and mixed trainable compute dtypes
     without an explicit ``reduce_dtype``.
     """
+    if getattr(policy, "scope", None) is not None:  # a model_policy: by slot, not by key
+        return _resolve_scoped(modules, params, policy)
     managed = {id(p) for p in params}
     fqns: dict[int, list[str]] = {}
     unmanaged: dict[str, torch.Tensor] = {}
@@ -90,14 +95,7 @@ def resolve_param_dtype_map(
             by_param[id(param)] = dtype
             claimed_by.setdefault(id(param), key)
 
-    for param in params:
-        if param.requires_grad and param.is_complex():
-            raise ParamDtypeMapError(
-                f"trainable complex parameter {fqns[id(param)][0]!r} "
-                f"({dtype_name(param.dtype)}) cannot share a unit's reduce-scatter with real "
-                "gradients once the unit mixes dtypes; pass it in ignored_params (and reduce "
-                "its gradient yourself), freeze it, or wrap it in its own fully_shard unit"
-            )
+    _check_trainable(params, fqns)
     _check_reduce_dtype(params, by_param, fqns, policy)
 
     by_slot: dict[tuple[int, str], torch.dtype] = {}
@@ -111,6 +109,35 @@ def resolve_param_dtype_map(
         by_slot=by_slot,
         fqns={k: tuple(v) for k, v in fqns.items()},
     )
+
+
+def _resolve_scoped(
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> ResolvedMap:
+    from fsdp_precision._scope import resolve_by_slot
+
+    by_param, by_slot, local, claims = resolve_by_slot(modules, params, policy.scope)  # type: ignore[attr-defined]
+    _check_trainable(params, local)
+    _check_reduce_dtype(params, by_param, local, policy)
+    return ResolvedMap(
+        by_param=by_param,
+        by_slot=by_slot,
+        fqns={k: tuple(v) for k, v in local.items()},
+        claims=frozenset(claims),
+    )
+
+
+def _check_trainable(params: Sequence[nn.Parameter], fqns: dict[int, list[str]]) -> None:
+    for param in params:
+        if param.requires_grad and param.is_complex():
+            raise ParamDtypeMapError(
+                f"trainable complex parameter {fqns[id(param)][0]!r} "
+                f"({dtype_name(param.dtype)}) cannot share a unit's reduce-scatter with real "
+                "gradients once the unit mixes dtypes; pass it in ignored_params (and reduce "
+                "its gradient yourself), freeze it, or wrap it in its own fully_shard unit"
+            )
 
 
 def _unknown_key_message(

@@ -73,6 +73,7 @@ def init_param_group(
     if native:
         args, kwargs = rebind_mp_policy(args, kwargs, _native.native_policy(mp_policy, resolved))
         original(state, params, modules, *args, **kwargs)
+        _claim(mp_policy, resolved)
         _log_mapped(modules, resolved, "native override")
         return None
     before = len(state._fsdp_param_groups) if release.param_group_list else 0
@@ -82,8 +83,16 @@ def init_param_group(
             info = fsdp_param._module_info
             dtype = resolved.by_slot.get((id(info.module), info.param_name))
             setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
+    _claim(mp_policy, resolved)
     _log_mapped(modules, resolved, "mapped")
     return None
+
+
+def _claim(policy: ParamDtypeMixedPrecisionPolicy, resolved: ResolvedMap) -> None:
+    """Record a model-scoped policy's entries this (successful) call resolved."""
+    scope = getattr(policy, "scope", None)
+    if scope is not None:
+        scope.claimed.update(resolved.claims)
 
 
 def _new_param_groups(state: Any, before: int, release: ReleaseTraits) -> list[Any]:

@@ -1,0 +1,186 @@
+"""``model_policy``: one policy object for every ``fully_shard`` call a framework makes on a model.
+
+accelerate, the HF Trainer, TRL and transformers' native FSDP2 wrap the decoder layers, the
+embedding, a grouped ``[norm, lm_head]`` call and the root, and hand the same
+``MixedPrecisionPolicy`` to every call. A per-call ``param_dtype_map`` cannot serve them: its keys
+are relative to each call. A model-scoped policy holds the rules compiled once, root-relative,
+and each call resolves only the parameters it manages, by *slot*: the module object that
+registers the parameter and its attribute name. Slots survive what frameworks do before wrapping
+(``model.to("meta")`` / ``to_empty`` replace parameter objects, not modules), a grouped call never
+broadcasts an entry to a sibling, and an entry outside a call is no error there. Once the root is
+wrapped, an entry that no call claimed is an error naming it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._rules import PrecisionRules
+
+__all__ = ["ModelScope", "ModelScopedPolicy", "model_policy", "resolve_by_slot"]
+
+Slot = tuple[int, str]  # (id of the registering module, attribute name)
+
+
+@dataclass(eq=False)
+class ModelScope:
+    """The compiled entries of one model, and which of them calls have claimed so far.
+
+    Compared and hashed by identity (a policy built once is one policy).
+
+    Attributes:
+        root: ``id`` of the model the entries were compiled on.
+        model: The model's class name (for messages).
+        entries: ``slot -> (root-relative FQN, dtype)``, one slot per registration (aliases).
+        modules: ``id`` of every module of the model when the policy was built.
+        claimed: Root-relative FQNs a completed ``fully_shard`` call has resolved.
+    """
+
+    root: int
+    model: str
+    entries: Mapping[Slot, tuple[str, torch.dtype]]
+    modules: frozenset[int] = frozenset()
+    claimed: set[str] = field(default_factory=set)
+
+    @property
+    def fqns(self) -> set[str]:
+        """Every entry's root-relative FQN (one per parameter)."""
+        return {fqn for fqn, _ in self.entries.values()}
+
+
+@dataclass(frozen=True)
+class ModelScopedPolicy(ParamDtypeMixedPrecisionPolicy):
+    """A :class:`ParamDtypeMixedPrecisionPolicy` valid for every ``fully_shard`` call on one
+    model or its submodules; built by :func:`model_policy`.
+
+    ``param_dtype_map`` shows the entries root-relative (for reading); each call resolves them by
+    slot (``scope``), not by key.
+    """
+
+    scope: ModelScope | None = None
+
+
+def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrecisionPolicy:
+    """One policy for every ``fully_shard`` call on ``model`` or any of its submodules.
+
+    The rules and the model's keep declarations are compiled once (as for a single root unit:
+    rules that match nothing, shadowed rules and degraded kept parameters are errors here,
+    before anything is wrapped) into root-relative exact entries. Pass the result as
+    ``mp_policy`` to every call, in any order and grouping; each call takes the entries of the
+    parameters it manages. Applies the patch. Once the call that includes ``model`` runs, an
+    entry no call claimed (its parameter ignored, or its module wrapped with another policy) is
+    a :class:`ParamDtypeMapError` naming it.
+
+    Raises ``ValueError`` for ``rules.strategy="split"`` (separate units are a unit layout, not
+    a policy).
+    """
+    from fsdp_precision._compile import compile_param_dtype_maps, fqns_by_param
+    from fsdp_precision._patch import apply_param_dtype_map_patch
+
+    if not isinstance(rules, PrecisionRules):
+        raise TypeError(f"rules must be a PrecisionRules, got {type(rules).__name__}")
+    if rules.strategy != "patch":
+        raise ValueError(
+            f"model_policy needs rules.strategy='patch', got {rules.strategy!r}: separate units "
+            "are a unit layout; plan them with compile_param_dtype_maps(..., strategy='split')"
+        )
+    plan = compile_param_dtype_maps(model, rules, [model])
+    mapped = plan.units[0].param_dtype_map
+    canonical = {fqn: names[0] for names in fqns_by_param(model).values() for fqn in names}
+    entries: dict[Slot, tuple[str, torch.dtype]] = {}
+    for fqn, dtype in mapped.items():
+        prefix, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(prefix) if prefix else model
+        entries[(id(owner), name)] = (canonical[fqn], dtype)
+    apply_param_dtype_map_patch()
+    return ModelScopedPolicy(
+        param_dtype=rules.param_dtype,
+        reduce_dtype=rules.reduce_dtype,
+        param_dtype_map={canonical[f]: d for f, d in mapped.items()},
+        scope=ModelScope(
+            root=id(model),
+            model=type(model).__name__,
+            entries=entries,
+            modules=frozenset(id(m) for m in model.modules()),
+        ),
+    )
+
+
+def resolve_by_slot(
+    modules: Sequence[nn.Module], params: Sequence[nn.Parameter], scope: ModelScope
+) -> tuple[dict[int, torch.dtype], dict[Slot, torch.dtype], dict[int, list[str]], set[str]]:
+    """``(by_param, by_slot, local fqns, claimed root FQNs)`` of one call's managed parameters.
+
+    Raises :class:`ParamDtypeMapError` when the call includes the root and an entry is
+    claimed neither by it nor by an earlier call.
+    """
+    strangers = [m for m in modules if id(m) not in scope.modules]
+    if strangers:
+        raise ParamDtypeMapError(
+            f"this model_policy was built for a {scope.model}, and fully_shard got a "
+            f"{type(strangers[0]).__name__} that is not one of its modules (or was created "
+            "after the policy): build the policy with model_policy(model, rules) on the model "
+            "you wrap, after any module replacement (PEFT, quantization)"
+        )
+    managed = {id(p) for p in params}
+    by_param: dict[int, torch.dtype] = {}
+    by_slot: dict[Slot, torch.dtype] = {}
+    fqns: dict[int, list[str]] = {}
+    claims: set[str] = set()
+    for module in modules:
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for name, param in sub._parameters.items():
+                if param is None or id(param) not in managed:
+                    continue
+                fqns.setdefault(id(param), []).append(f"{prefix}.{name}" if prefix else name)
+                entry = scope.entries.get((id(sub), name))
+                if entry is not None:
+                    by_param[id(param)] = entry[1]
+                    claims.add(entry[0])
+    for module in modules:
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None and id(param) in by_param:
+                    by_slot[(id(sub), name)] = by_param[id(param)]
+    if any(id(m) == scope.root for m in modules):
+        _check_all_claimed(scope, claims, modules, managed)
+    return by_param, by_slot, fqns, claims
+
+
+def _check_all_claimed(
+    scope: ModelScope, claims: set[str], modules: Sequence[nn.Module], managed: set[int]
+) -> None:
+    missing = sorted(scope.fqns - scope.claimed - claims)
+    if not missing:
+        return
+    from torch.distributed.tensor import DTensor
+
+    root = next(m for m in modules if id(m) == scope.root)
+    params = dict(root.named_parameters(remove_duplicate=False))
+    reasons = []
+    for fqn in missing[:4]:
+        param = params.get(fqn)
+        if param is None:
+            close = difflib.get_close_matches(fqn, list(params), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            reasons.append(f"{fqn!r}: not a parameter of this model{hint}")
+        elif id(param) in managed:
+            reasons.append(f"{fqn!r}: its module was replaced after model_policy was built")
+        elif isinstance(param, DTensor):
+            reasons.append(f"{fqn!r}: wrapped by a fully_shard call with another mp_policy")
+        else:
+            reasons.append(f"{fqn!r}: in ignored_params (never sharded)")
+    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+    raise ParamDtypeMapError(
+        f"model_policy entries of {scope.model} were claimed by no fully_shard call by the time "
+        f"the root was wrapped: {'; '.join(reasons)}{more}. Pass the model_policy to every "
+        "fully_shard call on the model, keep kept parameters out of ignored_params, and build "
+        "the policy on the model you wrap"
+    )
