@@ -1,0 +1,98 @@
+"""Hand a :func:`~fsdp_precision.model_policy` to frameworks that call ``fully_shard`` themselves.
+
+accelerate's FSDP2 plugin passes the object given as ``mixed_precision_policy`` unchanged to
+every ``fully_shard`` call it makes (the decoder layers, the input embedding, a grouped
+``[final norm, lm_head]`` call, the root), so a model-scoped policy needs no adapter there:
+
+>>> plugin = FullyShardedDataParallelPlugin(  # doctest: +SKIP
+...     fsdp_version=2, mixed_precision_policy=model_policy(model, rules),
+...     auto_wrap_policy="transformer_based_wrap")
+
+What this module adds is the two seams that are not obvious (docs/integrations.md):
+
+* :func:`trainer_fsdp_policy`: the HF Trainer (and TRL's trainers, which build on it) drops
+  unknown ``fsdp_config`` keys; the policy goes into ``TrainingArguments.fsdp_plugin_args``,
+  which the Trainer splats into its plugin.
+* :func:`accelerate_fsdp2_on_cpu`: accelerate enables FSDP only for accelerator device types and
+  silently falls back to DDP on a CPU-only machine; this turns the FSDP2 plugin back on, for
+  CPU (gloo) tests and development boxes.
+
+Only public attributes of accelerate's state are set; the package is imported lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["accelerate_fsdp2_on_cpu", "trainer_fsdp_policy"]
+
+
+def trainer_fsdp_policy(args: Any, policy: MixedPrecisionPolicy) -> Any:
+    """Give ``policy`` to the FSDP2 plugin an HF ``Trainer`` builds from ``args``; returns ``args``.
+
+    Call it on the ``TrainingArguments`` (or TRL's ``SFTConfig``) after building them and before
+    the ``Trainer``: ``Trainer.create_accelerator_and_postprocess`` builds
+    ``FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)``, and the plugin keeps the object.
+    ``fsdp_config`` cannot carry it (unknown keys are dropped, and a policy object there breaks
+    ``args.to_json_string()``). The Trainer's own ``bf16=True`` would give
+    ``MixedPrecisionPolicy(bf16, bf16, bf16)`` (bf16 gradient reduction); with this policy
+    ``reduce_dtype`` is the rules' (fp32 for the presets). ``dataclasses.replace(args, ...)``
+    rebuilds ``fsdp_plugin_args``: call this again afterwards.
+
+    Raises ``ValueError`` when ``args`` does not enable FSDP2 (``fsdp=...`` with
+    ``fsdp_config={"version": 2}``, the default version in transformers 5).
+    """
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"policy must be a MixedPrecisionPolicy (e.g. fsdp_precision.model_policy(model, "
+            f"rules)), got {type(policy).__name__}"
+        )
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if not isinstance(plugin_args, dict) or plugin_args.get("fsdp_version") != 2:
+        raise ValueError(
+            f"{type(args).__name__} does not enable FSDP2 (fsdp_plugin_args is {plugin_args!r}); "
+            "pass fsdp='full_shard' (or True) and fsdp_config={'version': 2} to the arguments"
+        )
+    plugin_args["mixed_precision_policy"] = policy
+    return args
+
+
+def accelerate_fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Make ``accelerator`` run FSDP2 with ``plugin`` on a CPU-only machine (gloo).
+
+    accelerate 1.x sets ``DistributedType.FSDP`` only when it found an accelerator
+    (``AcceleratorState``); with ``Accelerator(cpu=True, fsdp_plugin=...)`` under ``torchrun`` it
+    keeps ``MULTI_CPU`` and drops the plugin, so ``prepare`` returns a
+    ``DistributedDataParallel`` model. This does what ``AcceleratorState`` does on a GPU: the
+    FSDP distributed type (also in the shared ``PartialState``, from which every later
+    ``AcceleratorState()`` re-reads it), the plugin's mixed precision (a policy object given by
+    the user is kept), and the plugin (the one given to the ``Accelerator``). Call it before
+    ``prepare``. After ``prepare`` the parameters are DTensors.
+
+    Raises ``RuntimeError`` unless the accelerator is ``MULTI_CPU`` (use ``cpu=True`` under
+    ``torchrun``) and ``ValueError`` for a plugin that is not FSDP2.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.FSDP:
+        return
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        raise RuntimeError(
+            f"accelerate_fsdp2_on_cpu needs a multi-process CPU accelerator, got "
+            f"{state.distributed_type}: create Accelerator(cpu=True, ...) under torchrun "
+            "(on a GPU machine accelerate enables FSDP itself)"
+        )
+    if getattr(plugin, "fsdp_version", None) != 2:
+        raise ValueError(
+            "accelerate_fsdp2_on_cpu needs an FSDP2 plugin: pass "
+            "FullyShardedDataParallelPlugin(fsdp_version=2, ...), the one given to Accelerator"
+        )
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)  # keeps a policy object the user gave
+    state.fsdp_plugin = plugin

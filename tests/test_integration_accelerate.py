@@ -1,0 +1,167 @@
+"""accelerate's FSDP2 plugin and the HF Trainer, with the real packages, on 2 CPU ranks (gloo).
+
+accelerate makes the ``fully_shard`` calls (each decoder layer, the input embedding, a grouped
+``[norm, lm_head]`` call, the root) with the one policy object it was given. With
+``model_policy`` that object keeps DeepSeek-V3's ``_keep_in_fp32_modules_strict`` router gates
+in fp32; accelerate's plain policy gathers them in bf16 (the negative control), with the same
+collectives. On CPU accelerate would fall back to DDP: ``accelerate_fsdp2_on_cpu`` turns FSDP2
+back on, and every case asserts that the parameters really are DTensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+import fsdp_precision as fp
+from fsdp_precision.integrations import accelerate_fsdp2_on_cpu, trainer_fsdp_policy
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+
+from _harness import collect_cases, distributed_suite
+from _hf_models import deepseek_v3
+
+accelerate = pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (pip install '.[accelerate]')"
+)
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+bf16, fp32 = torch.bfloat16, torch.float32
+RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
+
+
+def _fresh_accelerate_state() -> None:
+    """Torchrun's environment for accelerate, and no state left from an earlier case."""
+    from accelerate.state import AcceleratorState
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def gates(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    return {"input_ids": ids, "labels": ids}
+
+
+def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for`` ('model' or 'plain')."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    _fresh_accelerate_state()
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    policy = (
+        fp.model_policy(model, RULES)
+        if policy_for == "model"
+        else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    )
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
+    )
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin)
+    accelerate_fsdp2_on_cpu(accelerator, plugin)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = accelerator.prepare(model, optim)
+    assert accelerator.is_fsdp2
+    assert plugin.mixed_precision_policy is policy  # accelerate kept the object
+    return model, optim, accelerator
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, accelerator: object):  # type: ignore[no-untyped-def]
+    with CollectiveRecorder() as recorder, GatherProbe(model) as probe:
+        loss = model(**batch()).loss
+        accelerator.backward(loss)  # type: ignore[attr-defined]
+    optim.step()
+    optim.zero_grad()
+    assert torch.isfinite(loss)
+    kinds = [c.kind for c in recorder.calls]
+    return {k: v.dtype for k, v in probe.seen.items()}, (
+        kinds.count("all_gather"),
+        kinds.count("reduce_scatter"),
+    )
+
+
+def case_accelerate_fsdp2_keeps_the_router_gates_in_fp32() -> None:
+    model, optim, accelerator = prepared("model")
+    names = [n for n, _ in model.named_parameters()]
+    not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not not_sharded, not_sharded  # FSDP2 wrapped it, not DDP
+    seen, counts = train_step(model, optim, accelerator)
+    assert len(seen) == len(names)
+    kept = gates(model)
+    assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+    assert all(d == bf16 for n, d in seen.items() if n not in kept)
+    seen, _ = train_step(model, optim, accelerator)  # a second step runs the same way
+    # Negative control: accelerate's plain policy gathers the gates in bf16, with exactly the
+    # same collectives (the kept gates cost no unit).
+    plain, plain_optim, plain_accelerator = prepared("plain")
+    plain_seen, plain_counts = train_step(plain, plain_optim, plain_accelerator)
+    assert all(plain_seen[n] == bf16 for n in kept)
+    assert counts == plain_counts, (counts, plain_counts)
+    assert counts[0] > 0 and counts[1] > 0
+
+
+def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
+    from accelerate import FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainingArguments
+
+    _fresh_accelerate_state()
+
+    class CpuFsdp2Trainer(Trainer):
+        """The Trainer on CPU: accelerate dropped the FSDP2 plugin; turn it back on."""
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            accelerate_fsdp2_on_cpu(self.accelerator, plugin)
+            self.is_fsdp_enabled = True
+
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    policy = fp.model_policy(model, RULES)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
+            per_device_train_batch_size=2, report_to=[], save_strategy="no",
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
+        )  # fmt: skip
+        trainer_fsdp_policy(args, policy)
+        data = [{k: v[0] for k, v in batch().items()} for _ in range(4)]
+        trainer = CpuFsdp2Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.accelerator.state.fsdp_plugin.mixed_precision_policy is policy
+        result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    wrapped = trainer.model_wrapped
+    assert all(isinstance(p, DTensor) for p in wrapped.parameters())
+    with GatherProbe(wrapped) as probe, torch.no_grad():
+        wrapped(**batch())
+    assert all(probe.seen[n].dtype == fp32 for n in gates(wrapped))
+
+
+def test_trainer_fsdp_policy_refuses_args_without_fsdp2() -> None:
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"TrainingArguments does not enable FSDP2"):
+        trainer_fsdp_policy(args, MixedPrecisionPolicy())
+    with pytest.raises(TypeError, match=r"policy must be a MixedPrecisionPolicy"):
+        trainer_fsdp_policy(args, {"param_dtype": bf16})  # type: ignore[arg-type]
+
+
+CASES = collect_cases(globals())
+
+results, test_accelerate = distributed_suite(2, __name__, CASES)
