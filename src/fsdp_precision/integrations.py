@@ -13,6 +13,9 @@ What this module adds is the two seams that are not obvious (docs/integrations.m
 * :func:`trainer_fsdp_policy`: the HF Trainer (and TRL's trainers, which build on it) drops
   unknown ``fsdp_config`` keys; the policy goes into ``TrainingArguments.fsdp_plugin_args``,
   which the Trainer splats into its plugin.
+* :func:`transformers_native_fsdp`: transformers' own FSDP2 path (``from_pretrained(...,
+  distributed_config=transformers.DistributedConfig(fsdp_size=N))``) hard-codes its policy; inside
+  this context manager it uses a model-scoped one (guarded by source hashes, like the patch).
 * :func:`accelerate_fsdp2_on_cpu`: accelerate enables FSDP only for accelerator device types and
   silently falls back to DDP on a CPU-only machine; this turns the FSDP2 plugin back on, for
   CPU (gloo) tests and development boxes.
@@ -26,7 +29,9 @@ from typing import Any
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["accelerate_fsdp2_on_cpu", "trainer_fsdp_policy"]
+from fsdp_precision._hf_native import transformers_native_fsdp
+
+__all__ = ["accelerate_fsdp2_on_cpu", "trainer_fsdp_policy", "transformers_native_fsdp"]
 
 
 def trainer_fsdp_policy(args: Any, policy: MixedPrecisionPolicy) -> Any:
