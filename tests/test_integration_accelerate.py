@@ -56,7 +56,9 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
-    """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for`` ('model' or 'plain')."""
+    """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for``: 'model' (model_policy),
+    'plain' (accelerate's plain policy) or 'separate' (each gate its own param_dtype=None unit,
+    wrapped before prepare, then the plain policy: the separate-units reference)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     _fresh_accelerate_state()
@@ -67,6 +69,12 @@ def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]
         if policy_for == "model"
         else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     )
+    if policy_for == "separate":
+        from torch.distributed.fsdp import fully_shard
+
+        for name in gates(model):
+            gate = model.get_submodule(name.rsplit(".", 1)[0])
+            fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
     )
@@ -111,6 +119,24 @@ def case_accelerate_fsdp2_keeps_the_router_gates_in_fp32() -> None:
     assert all(plain_seen[n] == bf16 for n in kept)
     assert counts == plain_counts, (counts, plain_counts)
     assert counts[0] > 0 and counts[1] > 0
+
+
+def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> None:
+    """Parity: the same step through accelerate, the gates inside their layers' units (one
+    policy) or as separate fp32 units (more collectives), gives bitwise the same loss and
+    gradients."""
+    results = {}
+    for variant in ("model", "separate"):
+        model, _, accelerator = prepared(variant)
+        loss = model(**batch()).loss
+        accelerator.backward(loss)  # type: ignore[attr-defined]
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        results[variant] = (loss.detach(), grads)
+    (loss, grads), (ref_loss, ref_grads) = results["model"], results["separate"]
+    assert torch.equal(loss, ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == ref_grads[name].dtype and torch.equal(grad, ref_grads[name]), name
 
 
 def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
