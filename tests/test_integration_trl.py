@@ -111,16 +111,17 @@ def sft_train(with_policy: bool) -> tuple[Any, Any]:
     return trainer, policy
 
 
-def probe_forward(wrapped: nn.Module) -> tuple[dict[str, torch.dtype], tuple[int, int]]:
-    """Gathered dtypes and (all-gathers, reduce-scatters) of one forward + backward."""
+def probe_forward(
+    wrapped: nn.Module,
+) -> tuple[dict[str, torch.dtype], tuple[int, int], set[torch.dtype]]:
+    """Gathered dtypes, (all-gathers, reduce-scatters) and reduce-scatter dtypes of one step."""
     ids = torch.randint(2, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     with CollectiveRecorder() as recorder, GatherProbe(wrapped) as probe:
         wrapped(input_ids=ids, labels=ids).loss.backward()
     kinds = [c.kind for c in recorder.calls]
-    return {n: p.dtype for n, p in probe.seen.items()}, (
-        kinds.count("all_gather"),
-        kinds.count("reduce_scatter"),
-    )
+    counts = (kinds.count("all_gather"), kinds.count("reduce_scatter"))
+    reduced = {c.dtype for c in recorder.calls if c.kind == "reduce_scatter"}
+    return {n: p.dtype for n, p in probe.seen.items()}, counts, reduced
 
 
 def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
@@ -131,19 +132,21 @@ def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
     names = [n for n, _ in wrapped.named_parameters()]
     not_sharded = [n for n, p in wrapped.named_parameters() if not isinstance(p, DTensor)]
     assert not not_sharded, not_sharded  # FSDP2 wrapped it, not DDP
-    seen, counts = probe_forward(wrapped)
+    seen, counts, reduced = probe_forward(wrapped)
     assert len(seen) == len(names), sorted(set(names) - set(seen))
     kept = gates(wrapped)
     assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
     assert all(d == bf16 for n, d in seen.items() if n not in kept), seen
+    assert reduced == {fp32}, reduced  # the rules' reduce_dtype
     # Negative control: the same SFTTrainer with the Trainer's own bf16=True policy
     # (MixedPrecisionPolicy(bf16, bf16, bf16)) gathers the gates in bf16, with exactly the same
     # collectives (the kept gates cost no unit).
     plain, _ = sft_train(with_policy=False)
     plain_policy = plain.accelerator.state.fsdp_plugin.mixed_precision_policy
     assert (plain_policy.param_dtype, plain_policy.reduce_dtype) == (bf16, bf16), plain_policy
-    plain_seen, plain_counts = probe_forward(plain.model_wrapped)
+    plain_seen, plain_counts, plain_reduced = probe_forward(plain.model_wrapped)
     assert all(plain_seen[n] == bf16 for n in kept), {n: plain_seen[n] for n in kept}
+    assert plain_reduced == {bf16}, plain_reduced  # bf16=True: bf16 gradient reduction
     assert counts == plain_counts, (counts, plain_counts)
     assert counts[0] > 0 and counts[1] > 0
 
