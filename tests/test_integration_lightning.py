@@ -1,0 +1,139 @@
+"""Lightning's ModelParallelStrategy, with the real package, on 2 CPU ranks (gloo).
+
+Lightning builds the device mesh (``data_parallel_size`` x ``tensor_parallel_size``) and hands
+it to the user's code: Fabric's ``parallelize_fn(model, device_mesh)`` or the LightningModule's
+``configure_model``. The recipe makes the ``fully_shard`` calls there (each decoder layer, then
+the root) on ``device_mesh["data_parallel"]`` with one ``model_policy`` object, which keeps
+DeepSeek-V3's ``_keep_in_fp32_modules_strict`` router gates in fp32. A plain
+``MixedPrecisionPolicy`` gathers them in bf16 (the negative control), with the same
+collectives.
+
+Lightning launches its own processes unless the environment says they exist: the harness's
+ranks set torchrun's variables, and Lightning attaches to the process group already there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import fsdp_precision as fp
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+
+from _harness import collect_cases, distributed_suite
+from _hf_models import deepseek_v3
+
+lightning = pytest.importorskip(
+    "lightning", reason="lightning is not installed (pip install '.[lightning]')"
+)
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+bf16, fp32 = torch.bfloat16, torch.float32
+RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
+
+
+def _torchrun_environment() -> None:
+    """Torchrun's variables, so that Lightning uses the harness's ranks instead of launching."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+
+
+def gates(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    return {"input_ids": ids, "labels": ids}
+
+
+def parallelize_with(policy_for: str) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
+    """The recipe: a ``parallelize_fn`` sharding each decoder layer, then the root."""
+
+    def parallelize(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        policy = (
+            fp.model_policy(model, RULES)
+            if policy_for == "model"
+            else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        )
+        mesh = device_mesh["data_parallel"]
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    return parallelize
+
+
+def fabric_setup(policy_for: str):  # type: ignore[no-untyped-def]
+    """A tiny DeepSeek-V3 set up by Fabric's ModelParallelStrategy with ``policy_for``."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    _torchrun_environment()
+    strategy = ModelParallelStrategy(
+        parallelize_fn=parallelize_with(policy_for),
+        data_parallel_size=dist.get_world_size(),
+        tensor_parallel_size=1,
+    )
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric.launch()  # the processes exist: this only sets the strategy up
+    assert strategy.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+    torch.manual_seed(0)
+    model = fabric.setup(deepseek_v3())
+    optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return fabric, model, optim
+
+
+def fabric_step(fabric, model, optim):  # type: ignore[no-untyped-def]
+    inner = model.module  # the user's module under Fabric's wrapper: its names
+    with CollectiveRecorder() as recorder, GatherProbe(inner) as probe:
+        loss = model(**batch()).loss
+        fabric.backward(loss)
+    optim.step()
+    optim.zero_grad()
+    assert torch.isfinite(loss), loss
+    kinds = [c.kind for c in recorder.calls]
+    return {k: v.dtype for k, v in probe.seen.items()}, (
+        kinds.count("all_gather"),
+        kinds.count("reduce_scatter"),
+    )
+
+
+def case_fabric_parallelize_fn_keeps_the_router_gates_in_fp32() -> None:
+    fabric, model, optim = fabric_setup("model")
+    inner = model.module
+    names = [n for n, _ in inner.named_parameters()]
+    not_sharded = [n for n, p in inner.named_parameters() if not isinstance(p, DTensor)]
+    assert not not_sharded, not_sharded
+    seen, counts = fabric_step(fabric, model, optim)
+    assert len(seen) == len(names)
+    kept = gates(inner)
+    assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+    assert all(d == bf16 for n, d in seen.items() if n not in kept)
+    second, second_counts = fabric_step(fabric, model, optim)
+    assert second_counts == counts
+    # Negative control: a plain policy gathers the gates in bf16, with the same collectives.
+    plain_fabric, plain, plain_optim = fabric_setup("plain")
+    plain_seen, plain_counts = fabric_step(plain_fabric, plain, plain_optim)
+    assert all(plain_seen[n] == bf16 for n in kept)
+    assert counts == plain_counts, (counts, plain_counts)
+    # One all-gather per unit in forward, one more per layer in backward (the root is not
+    # resharded after forward), one reduce-scatter per unit: no unit was added.
+    layers = len(inner.model.layers)
+    assert counts == (2 * layers + 1, layers + 1), counts
+
+
+CASES = collect_cases(globals())
+
+results, test_lightning = distributed_suite(2, __name__, CASES)
