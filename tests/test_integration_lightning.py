@@ -75,22 +75,24 @@ def parallelize_with(policy_for: str) -> Callable[[nn.Module, DeviceMesh], nn.Mo
     return parallelize
 
 
-def fabric_setup(policy_for: str):  # type: ignore[no-untyped-def]
+def fabric_setup(policy_for: str, sizes: str = "explicit"):  # type: ignore[no-untyped-def]
     """A tiny DeepSeek-V3 set up by Fabric's ModelParallelStrategy with ``policy_for``."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 
     _torchrun_environment()
+    world = dist.get_world_size()
+    explicit = {"data_parallel_size": world, "tensor_parallel_size": 1}
     strategy = ModelParallelStrategy(
-        parallelize_fn=parallelize_with(policy_for),
-        data_parallel_size=dist.get_world_size(),
-        tensor_parallel_size=1,
+        parallelize_fn=parallelize_with(policy_for), **(explicit if sizes == "explicit" else {})
     )
     fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
     fabric.launch()  # the processes exist: this only sets the strategy up
     assert strategy.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
     torch.manual_seed(0)
     model = fabric.setup(deepseek_v3())
+    dp = strategy.device_mesh["data_parallel"].size()
+    assert dp == (world if sizes == "explicit" else 1), dp
     optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     return fabric, model, optim
 
@@ -132,6 +134,93 @@ def case_fabric_parallelize_fn_keeps_the_router_gates_in_fp32() -> None:
     # resharded after forward), one reduce-scatter per unit: no unit was added.
     layers = len(inner.model.layers)
     assert counts == (2 * layers + 1, layers + 1), counts
+
+
+def case_data_parallel_size_auto_shards_nothing_on_one_node() -> None:
+    """Why the recipe sets ``data_parallel_size``: Lightning's "auto" is the number of nodes."""
+    _, model, _ = fabric_setup("model", sizes="auto")
+    params = list(model.module.parameters())
+    assert all(isinstance(p, DTensor) and p.to_local().shape == p.shape for p in params)
+
+
+def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
+    """Two training steps of the Trainer with ModelParallelStrategy; per step: dtypes, counts."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = deepseek_v3()
+
+        def configure_model(self) -> None:  # the recipe
+            if isinstance(self.model.model.embed_tokens.weight, DTensor):
+                return  # configure_model runs again for validate/test
+            policy = (
+                fp.model_policy(self.model, RULES)
+                if policy_for == "model"
+                else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+            )
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+
+        def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Observe(L.Callback):
+        """What each training step gathered and which collectives it ran."""
+
+        def __init__(self) -> None:
+            self.steps: list[tuple[dict[str, torch.dtype], tuple[int, int], float]] = []
+
+        def on_train_batch_start(self, trainer, module, batch, index):  # type: ignore[no-untyped-def]
+            assert all(isinstance(p, DTensor) for p in module.parameters())  # FSDP2, sharded
+            self.recorder = CollectiveRecorder().__enter__()
+            self.probe = GatherProbe(module.model).__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):  # type: ignore[no-untyped-def]
+            self.probe.__exit__(None, None, None)
+            self.recorder.__exit__(None, None, None)
+            kinds = [c.kind for c in self.recorder.calls]
+            counts = (kinds.count("all_gather"), kinds.count("reduce_scatter"))
+            seen = {k: v.dtype for k, v in self.probe.seen.items()}
+            self.steps.append((seen, counts, float(outputs["loss"])))
+
+    _torchrun_environment()
+    torch.manual_seed(0)
+    module, observe = Module(), Observe()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), max_steps=2, callbacks=[observe],
+        strategy=ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    data = [{k: v[0] for k, v in batch().items()} for _ in range(8)]
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    assert trainer.global_step == 2 and len(observe.steps) == 2
+    return module.model, observe.steps
+
+
+def case_trainer_configure_model_keeps_the_router_gates_in_fp32() -> None:
+    model, steps = trainer_fit("model")
+    kept = gates(model)
+    for seen, counts, loss in steps:
+        assert len(seen) == len(list(model.parameters()))
+        assert torch.isfinite(torch.tensor(loss)), loss
+        assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+        assert all(d == bf16 for n, d in seen.items() if n not in kept)
+    # Negative control: the same Trainer with a plain policy gathers the gates in bf16.
+    _, plain_steps = trainer_fit("plain")
+    for (_, counts, _), (plain_seen, plain_counts, _) in zip(steps, plain_steps):
+        assert all(plain_seen[n] == bf16 for n in kept)
+        assert counts == plain_counts, (counts, plain_counts)
+    layers = len(model.model.layers)
+    assert all(counts == (2 * layers + 1, layers + 1) for _, counts, _ in steps), steps
 
 
 CASES = collect_cases(globals())
