@@ -153,18 +153,10 @@ def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
             super().__init__()
             self.model = deepseek_v3()
 
-        def configure_model(self) -> None:  # the recipe
+        def configure_model(self) -> None:  # the recipe: the same calls as parallelize_fn
             if isinstance(self.model.model.embed_tokens.weight, DTensor):
                 return  # configure_model runs again for validate/test
-            policy = (
-                fp.model_policy(self.model, RULES)
-                if policy_for == "model"
-                else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-            )
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+            parallelize_with(policy_for)(self.model, self.device_mesh)
 
         def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
             return self.model(**batch).loss
