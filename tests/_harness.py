@@ -125,6 +125,23 @@ def distributed_suite(world_size: int, module: str, cases: Sequence[str]) -> tup
     return results, test_case
 
 
+def torchrun_environment() -> None:
+    """torchrun's variables for this rank, so that a framework (accelerate, Lightning,
+    transformers) attaches to the harness's process group instead of launching its own."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+
+
+def fresh_accelerate_state() -> None:
+    """torchrun's environment for accelerate, and no accelerate state left from an earlier case."""
+    from accelerate.state import AcceleratorState
+
+    torchrun_environment()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def collect_cases(module_globals: dict[str, object]) -> list[str]:
     """Every ``case_*`` function of a module, in definition order."""
     return [n for n, f in module_globals.items() if n.startswith("case_") and callable(f)]

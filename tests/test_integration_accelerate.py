@@ -10,8 +10,6 @@ back on, and every case asserts that the parameters really are DTensors.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,10 +18,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision.integrations import accelerate_fsdp2_on_cpu, trainer_fsdp_policy
+from fsdp_precision.integrations import (
+    accelerate_fsdp2_on_cpu,
+    cpu_fsdp2_trainer,
+    trainer_fsdp_policy,
+)
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
-from _harness import collect_cases, distributed_suite
+from _harness import collect_cases, distributed_suite, fresh_accelerate_state
 from _hf_models import deepseek_v3
 
 accelerate = pytest.importorskip(
@@ -33,17 +35,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 bf16, fp32 = torch.bfloat16, torch.float32
 RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
-
-
-def _fresh_accelerate_state() -> None:
-    """Torchrun's environment for accelerate, and no state left from an earlier case."""
-    from accelerate.state import AcceleratorState
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def gates(model: nn.Module) -> list[str]:
@@ -61,7 +52,7 @@ def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]
     wrapped before prepare, then the plain policy: the separate-units reference)."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
-    _fresh_accelerate_state()
+    fresh_accelerate_state()
     torch.manual_seed(0)
     model = deepseek_v3()
     policy = (
@@ -140,19 +131,11 @@ def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> No
 
 
 def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
-    from accelerate import FullyShardedDataParallelPlugin
     from transformers import Trainer, TrainingArguments
 
-    _fresh_accelerate_state()
+    fresh_accelerate_state()
 
-    class CpuFsdp2Trainer(Trainer):
-        """The Trainer on CPU: accelerate dropped the FSDP2 plugin; turn it back on."""
-
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            accelerate_fsdp2_on_cpu(self.accelerator, plugin)
-            self.is_fsdp_enabled = True
+    CpuFsdp2Trainer = cpu_fsdp2_trainer(Trainer)  # accelerate drops FSDP on CPU
 
     torch.manual_seed(0)
     model = deepseek_v3()

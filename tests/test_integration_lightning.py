@@ -14,7 +14,6 @@ ranks set torchrun's variables, and Lightning attaches to the process group alre
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
@@ -28,7 +27,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_precision as fp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
-from _harness import collect_cases, distributed_suite
+from _harness import collect_cases, distributed_suite, torchrun_environment
 from _hf_models import deepseek_v3
 
 lightning = pytest.importorskip(
@@ -38,14 +37,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 bf16, fp32 = torch.bfloat16, torch.float32
 RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
-
-
-def _torchrun_environment() -> None:
-    """Torchrun's variables, so that Lightning uses the harness's ranks instead of launching."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
 
 
 def gates(model: nn.Module) -> list[str]:
@@ -80,7 +71,7 @@ def fabric_setup(policy_for: str, sizes: str = "explicit"):  # type: ignore[no-u
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    _torchrun_environment()
+    torchrun_environment()
     world = dist.get_world_size()
     explicit = {"data_parallel_size": world, "tensor_parallel_size": 1}
     strategy = ModelParallelStrategy(
@@ -184,7 +175,7 @@ def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
             seen = {k: v.dtype for k, v in self.probe.seen.items()}
             self.steps.append((seen, counts, float(outputs["loss"])))
 
-    _torchrun_environment()
+    torchrun_environment()
     torch.manual_seed(0)
     module, observe = Module(), Observe()
     trainer = L.Trainer(

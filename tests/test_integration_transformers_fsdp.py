@@ -23,7 +23,7 @@ import fsdp_precision as fp
 from fsdp_precision.integrations import transformers_native_fsdp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
-from _harness import collect_cases, distributed_suite
+from _harness import collect_cases, distributed_suite, torchrun_environment
 from _hf_models import deepseek_v3
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -35,11 +35,10 @@ RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)
 
 
 def load(path: str) -> nn.Module:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    torchrun_environment()
+    config = transformers.DistributedConfig(
+        fsdp_size=dist.get_world_size(), fsdp_mixed_precision=True
     )
-    config = transformers.DistributedConfig(fsdp_size=world, fsdp_mixed_precision=True)
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=bf16, distributed_config=config
     )
@@ -91,14 +90,17 @@ def case_native_fsdp_honours_the_keep_declarations() -> None:
 
 
 def test_unchecked_transformers_release_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
     from fsdp_precision import PatchIntegrityError
     from fsdp_precision._hf_native import CHECKED
 
-    monkeypatch.setattr(transformers, "__version__", "9.9.9")
+    live = importlib.import_module("transformers")  # the module the opt-in reads (sys.modules)
+    monkeypatch.setattr(live, "__version__", "9.9.9")
     with pytest.raises(PatchIntegrityError, match=r"was not checked against transformers 9.9.9"):
         with transformers_native_fsdp(RULES):
             pass
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    monkeypatch.setattr(live, "__version__", "5.24.0")
     changed = {k: "0" * 64 for k in CHECKED.get("5.24.0", {"x:y": ""})}
     monkeypatch.setitem(CHECKED, "5.24.0", changed)
     with pytest.raises(PatchIntegrityError, match=r"differs from the source the native-FSDP2"):

@@ -13,21 +13,22 @@ vocabulary, and the dataset is pre-tokenized ``input_ids``.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision.integrations import accelerate_fsdp2_on_cpu, trainer_fsdp_policy
+from fsdp_precision.integrations import (
+    cpu_fsdp2_trainer,
+    trainer_fsdp_policy,
+)
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
-from _harness import collect_cases, distributed_suite
+from _harness import collect_cases, distributed_suite, fresh_accelerate_state
 from _hf_models import deepseek_v3
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install '.[trl]')")
@@ -36,17 +37,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 bf16, fp32 = torch.bfloat16, torch.float32
 RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
 VOCAB = 96  # deepseek_v3()'s vocab_size
-
-
-def _fresh_accelerate_state() -> None:
-    """Torchrun's environment for accelerate, and no state left from an earlier case."""
-    from accelerate.state import AcceleratorState
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def tokenizer() -> Any:
@@ -77,19 +67,11 @@ def gates(model: nn.Module) -> list[str]:
 
 def sft_train(with_policy: bool) -> tuple[Any, Any]:
     """2 SFT steps of a tiny DeepSeek-V3 under FSDP2; returns (trainer, the policy or None)."""
-    from accelerate import FullyShardedDataParallelPlugin
     from trl import SFTConfig, SFTTrainer
 
-    _fresh_accelerate_state()
+    fresh_accelerate_state()
 
-    class CpuFsdp2SFTTrainer(SFTTrainer):  # type: ignore[misc]
-        """SFTTrainer on CPU: accelerate dropped the FSDP2 plugin; turn it back on."""
-
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            accelerate_fsdp2_on_cpu(self.accelerator, plugin)
-            self.is_fsdp_enabled = True
+    CpuFsdp2SFTTrainer = cpu_fsdp2_trainer(SFTTrainer)  # accelerate drops FSDP on CPU
 
     torch.manual_seed(0)
     model = deepseek_v3()

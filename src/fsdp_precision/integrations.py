@@ -25,13 +25,20 @@ Only public attributes of accelerate's state are set; the package is imported la
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._hf_native import transformers_native_fsdp
 
-__all__ = ["accelerate_fsdp2_on_cpu", "trainer_fsdp_policy", "transformers_native_fsdp"]
+__all__ = [
+    "accelerate_fsdp2_on_cpu",
+    "cpu_fsdp2_trainer",
+    "trainer_fsdp_policy",
+    "transformers_native_fsdp",
+]
+
+T = TypeVar("T", bound=type)
 
 
 def trainer_fsdp_policy(args: Any, policy: MixedPrecisionPolicy) -> Any:
@@ -101,3 +108,37 @@ def accelerate_fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)  # keeps a policy object the user gave
     state.fsdp_plugin = plugin
+
+
+def cpu_fsdp2_trainer(trainer_cls: T) -> T:
+    """A subclass of an HF ``Trainer`` class (``transformers.Trainer``, TRL's ``SFTTrainer``, ...)
+    that runs FSDP2 on a CPU-only machine (gloo), for tests and development boxes.
+
+    Its ``create_accelerator_and_postprocess`` calls the original, then
+    :func:`accelerate_fsdp2_on_cpu` with the plugin built from ``args.fsdp_plugin_args`` (the
+    policy :func:`trainer_fsdp_policy` put there included), and marks FSDP enabled, which the
+    Trainer had computed as off. Use ``TrainingArguments(use_cpu=True, fsdp=True, ...)`` under
+    ``torchrun``. On GPUs use the Trainer class itself.
+    """
+    from accelerate import FullyShardedDataParallelPlugin
+
+    original = getattr(trainer_cls, "create_accelerator_and_postprocess", None)
+    if original is None:
+        raise TypeError(
+            f"{trainer_cls.__name__} has no create_accelerator_and_postprocess: pass an HF "
+            "Trainer class (transformers.Trainer or a subclass such as trl.SFTTrainer)"
+        )
+
+    def create_accelerator_and_postprocess(self: Any) -> None:
+        original(self)
+        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        accelerate_fsdp2_on_cpu(self.accelerator, plugin)
+        self.is_fsdp_enabled = True
+
+    name = f"CpuFsdp2{trainer_cls.__name__}"
+    namespace = {
+        "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+        "__doc__": f"{trainer_cls.__name__} running FSDP2 on CPU (fsdp_precision).",
+        "__module__": __name__,
+    }
+    return type(name, (trainer_cls,), namespace)  # type: ignore[return-value]
