@@ -171,6 +171,27 @@ def test_trainer_fsdp_policy_refuses_args_without_fsdp2() -> None:
         trainer_fsdp_policy(args, {"param_dtype": bf16})  # type: ignore[arg-type]
 
 
+def test_integration_helpers_refuse_what_they_cannot_take() -> None:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+
+    from fsdp_precision.integrations import cpu_fsdp2_trainer, transformers_native_fsdp
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)  # one process: no multi-process CPU state
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        with pytest.raises(RuntimeError, match=r"accelerate_fsdp2_on_cpu needs a multi-process"):
+            accelerate_fsdp2_on_cpu(accelerator, plugin)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(TypeError, match=r"object has no create_accelerator_and_postprocess"):
+        cpu_fsdp2_trainer(object)
+    with pytest.raises(TypeError, match=r"rules must be a PrecisionRules, got str"):
+        with transformers_native_fsdp("bf16"):  # type: ignore[arg-type]
+            pass
+
+
 CASES = collect_cases(globals())
 
 results, test_accelerate = distributed_suite(2, __name__, CASES)

@@ -277,6 +277,13 @@ def test_transformer_block_policy_refuses_unknown_blocks(factory, blocks, messag
         plan_model_for_training(model, config)
 
 
+def test_choose_units_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"min_params must be >= 0, got -1"):
+        choose_units(Outer(), min_params=-1, usage=NO_USES)
+    with pytest.raises(ValueError, match=r"policy is 'blocks'; use 'size' or 'transformer_block'"):
+        choose_units(Outer(), min_params=0, policy="blocks", usage=NO_USES)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------- 0-dim parameters
 
 

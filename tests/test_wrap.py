@@ -62,6 +62,19 @@ BAD_CONFIGS = [
         r"precision_rules\[0\] is '\*norm'; use Glob\(...\) or ModuleClass",
     ),
     ({"precision_strategy": "both"}, r"precision_strategy is 'both'; use 'patch' or 'split'"),
+    (
+        {"fsdp_auto_wrap_policy": "blocks"},
+        r"fsdp_auto_wrap_policy is 'blocks'; use 'size' or 'transformer_block'",
+    ),
+    (
+        {"fsdp_auto_wrap_policy": "transformer_block", "fsdp_transformer_block_classes": "Block"},
+        r"fsdp_transformer_block_classes is 'Block'; use a tuple of class names",
+    ),
+    (
+        {"fsdp_transformer_block_classes": ("Block",)},
+        r"fsdp_transformer_block_classes is \('Block',\); it applies to "
+        r"fsdp_auto_wrap_policy='transformer_block' only",
+    ),
 ]
 
 
