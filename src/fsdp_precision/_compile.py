@@ -117,7 +117,7 @@ def compile_param_dtype_maps(
         model, rules, [UnitSpec(mods) for mods in spec_modules], targets, maps=not split
     )
     plan = PrecisionPlan(
-        replicated=_replicated(model, targets),
+        replicated=_replicated(model, targets, fqns_of),
         model=model,
         rules=rules,
         units=planned,
@@ -134,9 +134,10 @@ def compile_param_dtype_maps(
     return separate_units_plan(plan)
 
 
-def _replicated(model: nn.Module, targets: Targets) -> tuple[PlannedParam, ...]:
+def _replicated(
+    model: nn.Module, targets: Targets, fqns_of: dict[int, list[str]]
+) -> tuple[PlannedParam, ...]:
     """The 0-dim parameters: in no unit, replicated, computing in their storage dtype."""
-    fqns_of = fqns_by_param(model)
     planned = []
     for fqn, param in replicated_params(model):
         kept, rule = targets.get(id(param), (None, None))

@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from fsdp_precision._errors import UnitUsageError
 from fsdp_precision._records import PrecisionPlan
-from fsdp_precision._usage import ROOT, module_stack
+from fsdp_precision._usage import ROOT, ParamWatch, attribute_read, module_stack
 
 __all__ = ["unit_guard"]
 
@@ -41,37 +40,27 @@ _PLUMBING = (
 
 
 def _caller() -> str:
-    frame = sys._getframe(2)
+    # 0: here, 1: _Guard.touched, 2: ParamWatch.__torch_function__, 3: who called the function
+    frame = sys._getframe(3)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_PLUMBING):
         frame = frame.f_back  # type: ignore[assignment]
     return "" if frame is None else str(frame.f_globals.get("__name__", ""))
 
 
-class _Guard(TorchFunctionMode):
+class _Guard(ParamWatch):
     def __init__(self, sharded: dict[int, tuple[str, str]], stack: list[str]) -> None:
-        super().__init__()
+        super().__init__(sharded)
         self.sharded = sharded
         self.stack = stack
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, DTensor) and id(leaf) in self.sharded:
-                if not _caller().startswith(_TRUSTED):
-                    self._raise(func, leaf)
-        return func(*args, **kwargs)
+    def touched(self, func: Callable[..., Any], tensor: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor) and not _caller().startswith(_TRUSTED):
+            self._raise(func, tensor)
 
     def _raise(self, func: Callable[..., Any], leaf: DTensor) -> None:
         fqn, unit = self.sharded[id(leaf)]
-        name = getattr(func, "__name__", str(func))
-        if name == "__get__":
-            name = "a read of ." + getattr(getattr(func, "__self__", None), "__name__", "?")
+        attribute = attribute_read(func)
+        name = f"a read of .{attribute}" if attribute else getattr(func, "__name__", str(func))
         where = self.stack[-1] if self.stack else ROOT
         raise UnitUsageError(
             f"parameter {fqn!r} was used ({name}) in the forward of {where}, outside its FSDP "

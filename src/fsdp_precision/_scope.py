@@ -134,21 +134,22 @@ def resolve_by_slot(
     by_slot: dict[Slot, torch.dtype] = {}
     fqns: dict[int, list[str]] = {}
     claims: set[str] = set()
+    registered: list[tuple[int, str, int]] = []  # (id(module), attribute, id(parameter))
     for module in modules:
         for prefix, sub in module.named_modules(remove_duplicate=False):
             for name, param in sub._parameters.items():
                 if param is None or id(param) not in managed:
                     continue
                 fqns.setdefault(id(param), []).append(f"{prefix}.{name}" if prefix else name)
+                registered.append((id(sub), name, id(param)))
                 entry = scope.entries.get((id(sub), name))
                 if entry is not None:
                     by_param[id(param)] = entry[1]
                     claims.add(entry[0])
-    for module in modules:
-        for sub in module.modules():
-            for name, param in sub._parameters.items():
-                if param is not None and id(param) in by_param:
-                    by_slot[(id(sub), name)] = by_param[id(param)]
+    # Every registration of a mapped parameter (aliases too): FSDP records one of them.
+    for sub_id, name, pid in registered:
+        if pid in by_param:
+            by_slot[(sub_id, name)] = by_param[pid]
     if any(id(m) == scope.root for m in modules):
         _check_all_claimed(scope, claims, modules, managed)
     return by_param, by_slot, fqns, claims

@@ -35,7 +35,15 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["ROOT", "ParamUsage", "Use", "module_stack", "param_usage"]
+__all__ = [
+    "ROOT",
+    "ParamUsage",
+    "ParamWatch",
+    "Use",
+    "attribute_read",
+    "module_stack",
+    "param_usage",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +96,20 @@ def _names(model: nn.Module) -> tuple[dict[int, str], dict[int, str]]:
     return modules, params
 
 
-class _Recorder(TorchFunctionMode):
-    """Records, for every torch function touching a parameter, the forwards running then."""
+def attribute_read(func: Callable[..., Any]) -> str | None:
+    """The attribute a torch function reads (``"dtype"`` for ``Tensor.dtype``), None for ops."""
+    if getattr(func, "__name__", "") != "__get__":
+        return None
+    return str(getattr(getattr(func, "__self__", None), "__name__", "?"))
 
-    def __init__(self, params: dict[int, str], stack: list[str], *, dtype_only: bool = False):
+
+class ParamWatch(TorchFunctionMode):
+    """Calls :meth:`touched` for every watched tensor (by ``id``) a torch function receives:
+    ops and attribute reads (``.dtype``) alike."""
+
+    def __init__(self, watched: Mapping[int, Any]) -> None:
         super().__init__()
-        self.params = params
-        self.stack = stack
-        self.dtype_only = dtype_only
-        #: (parameter FQN, running forwards) -> (how it was used, innermost running forward)
-        self.seen: dict[tuple[str, frozenset[str]], tuple[str, str]] = {}
+        self.watched = watched
 
     def __torch_function__(
         self,
@@ -107,18 +119,34 @@ class _Recorder(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        getter = name == "__get__"
-        what = (
-            f"reads .{getattr(getattr(func, '__self__', None), '__name__', '?')}" if getter else ""
-        )
-        if not self.dtype_only or what == "reads .dtype":
-            for leaf in pytree.tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor) and id(leaf) in self.params:
-                    key = (self.params[id(leaf)], frozenset(self.stack))
-                    where = self.stack[-1] if self.stack else ROOT
-                    self.seen.setdefault(key, (what or f"op {name}", where))
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
+                self.touched(func, leaf)
         return func(*args, **kwargs)
+
+    def touched(self, func: Callable[..., Any], tensor: torch.Tensor) -> None:
+        """One watched tensor reached ``func``."""
+        raise NotImplementedError
+
+
+class _Recorder(ParamWatch):
+    """Records, for every torch function touching a parameter, the forwards running then."""
+
+    def __init__(self, params: dict[int, str], stack: list[str], *, dtype_only: bool = False):
+        super().__init__(params)
+        self.params = params
+        self.stack = stack
+        self.dtype_only = dtype_only
+        #: (parameter FQN, running forwards) -> (how it was used, innermost running forward)
+        self.seen: dict[tuple[str, frozenset[str]], tuple[str, str]] = {}
+
+    def touched(self, func: Callable[..., Any], tensor: torch.Tensor) -> None:
+        attribute = attribute_read(func)
+        if self.dtype_only and attribute != "dtype":
+            return
+        how = f"reads .{attribute}" if attribute else f"op {getattr(func, '__name__', '')}"
+        key = (self.params[id(tensor)], frozenset(self.stack))
+        self.seen.setdefault(key, (how, self.stack[-1] if self.stack else ROOT))
 
 
 @contextmanager
@@ -182,9 +210,8 @@ def _quiet_eval(model: nn.Module) -> Iterator[None]:
 
 
 def _trace(
-    model: nn.Module, inputs: Any
+    model: nn.Module, inputs: Any, modules: dict[int, str], params: dict[int, str]
 ) -> tuple[dict[tuple[str, frozenset[str]], tuple[str, str]], str]:
-    modules, params = _names(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     moved = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     stack: list[str] = []
@@ -239,8 +266,7 @@ def _path(name: str) -> frozenset[str]:
     return frozenset({ROOT} | {".".join(parts[:i]) for i in range(1, len(parts) + 1)})
 
 
-def _static_uses(model: nn.Module) -> list[Use]:
-    modules, params = _names(model)
+def _static_uses(model: nn.Module, modules: dict[int, str], params: dict[int, str]) -> list[Use]:
     uses: list[Use] = []
     for module in model.modules():
         name = modules[id(module)]
@@ -286,13 +312,14 @@ def param_usage(model: nn.Module, example_inputs: Any = None) -> ParamUsage:
     (Hugging Face models). Without inputs, or when the forward fails, the static facts still
     apply and ``traced`` says why.
     """
-    uses = _static_uses(model)
+    modules, params = _names(model)
+    uses = _static_uses(model, modules, params)
     chosen = (example_inputs, "example_inputs") if example_inputs is not None else None
     chosen = chosen or _default_inputs(model)
     if chosen is None:
         traced = "no forward traced: no example_inputs and no dummy_inputs (static facts only)"
     else:
-        seen, error = _trace(model, chosen[0])
+        seen, error = _trace(model, chosen[0], modules, params)
         for (param, active), (how, where) in seen.items():
             uses.append(Use(param, where, how, active, "traced forward"))
         traced = f"traced a forward on {chosen[1]}" + (
