@@ -1,7 +1,8 @@
 """Check every planned ``fully_shard`` call before the first one is made.
 
 torch refuses some units only when it reaches them (a map key a call cannot take, 2.11's
-non-floating parameters, a scalar, an already sharded parameter); by then the inner units are
+non-floating parameters, an already sharded parameter; 0-dim parameters, which it refuses too,
+are in no planned unit); by then the inner units are
 sharded and the model is half-wrapped. :func:`check_plan` runs the same checks for every call
 first, on the parameters each call will manage.
 """
@@ -36,11 +37,6 @@ def check_plan(plan: PrecisionPlan, ignored_params: Collection[nn.Parameter]) ->
                 raise ValueError(
                     f"parameter {planned.fqn!r} is already sharded (a DTensor): the model was "
                     "wrapped before. Plan and wrap a model that fully_shard has not touched"
-                )
-            if param.dim() == 0:
-                raise ValueError(
-                    f"unit [{unit.name}] would manage the 0-dim parameter {planned.fqn!r}, which "
-                    "torch's fully_shard cannot shard; pass it in ignored_params"
                 )
             params.append(param)
         if supported:  # elsewhere there is no map to check (apply_param_dtype_map_patch raised)
