@@ -6,8 +6,8 @@
 
 For each release: create (or reuse) ``VENV_ROOT/torch-X.Y.Z``, install ``torch==X.Y.Z`` (from
 the local wheel when the pip configuration has one, else from PyPI), then ``numpy``, ``pytest``
-and ``pytest-timeout``, the ``hf`` extra (transformers, diffusers, safetensors) with the
-installed torch pinned, then this project, editable and without dependencies (so that pip never
+and ``pytest-timeout``, the ``hf`` and ``integrations`` extras (transformers, diffusers,
+safetensors; peft, accelerate, trl, lightning) with the installed torch pinned, then this project, editable and without dependencies (so that pip never
 swaps the torch under test), and run ``python -m pytest -q`` in the repository root. Prints one
 line per release; exits non-zero if any release failed.
 
@@ -38,15 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONSTRAINED_MAX = (2, 14, 1)
 DEFAULT_VENV_ROOT = Path("/work/venvs")
 TEST_PACKAGES = ("numpy", "pytest", "pytest-timeout")
+#: The extras every release is tested with: without them the Hugging Face and integration tests
+#: would skip on every release but the CI one (torchtitan keeps its own venv, as in CI).
+EXTRAS = ("hf", "integrations")
 
 
-def hf_packages() -> list[str]:
-    """The project's ``hf`` extra (transformers, diffusers, safetensors), read from pyproject:
-    without them the Hugging Face tests would skip on every release but the CI one."""
+def extra_packages(extra: str) -> list[str]:
+    """The requirements of the project's optional dependency ``extra``, read from pyproject."""
     text = (ROOT / "pyproject.toml").read_text()
-    line = re.search(r"^hf = \[(.*)\]$", text, re.MULTILINE)
+    line = re.search(rf"^{re.escape(extra)} = \[(.*)\]$", text, re.MULTILINE)
     if line is None:
-        raise RuntimeError("pyproject.toml has no one-line 'hf = [...]' optional dependency")
+        raise RuntimeError(f"pyproject.toml has no one-line '{extra} = [...]' optional dependency")
     return re.findall(r'"([^"]+)"', line.group(1))
 
 
@@ -157,12 +159,13 @@ def prepare_venv(version: str, venv: Path, log: TextIO) -> Path:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if _run(cmd + list(TEST_PACKAGES), log) != 0:
         raise RuntimeError("pip could not install the test tools; see the log")
-    # The hf extra, with the installed torch pinned: its dependencies never swap the torch.
+    # The extras, with the installed torch pinned: their dependencies never swap the torch.
+    packages = [package for extra in EXTRAS for package in extra_packages(extra)]
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as pin:
         pin.write(f"torch=={_installed_torch(python)}\n")
         pin.flush()
-        if _run(cmd + ["-c", pin.name, *hf_packages()], log) != 0:
-            raise RuntimeError("pip could not install the hf extra; see the log")
+        if _run(cmd + ["-c", pin.name, *packages], log) != 0:
+            raise RuntimeError(f"pip could not install the extras {', '.join(EXTRAS)}; see the log")
     if _run(cmd + ["--no-deps", "-e", str(ROOT)], log) != 0:
         raise RuntimeError(f"pip could not install {ROOT} (editable); see the log")
     installed = _installed_torch(python)

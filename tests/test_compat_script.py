@@ -94,9 +94,18 @@ def test_bad_release_is_refused_before_anything_runs(capsys: pytest.CaptureFixtu
     )
 
 
-def test_hf_extra_is_read_from_pyproject() -> None:
-    """The runner installs the same hf extra as ``pip install .[hf]`` (a TOML parse agrees)."""
+@pytest.mark.parametrize("extra", compat.EXTRAS)
+def test_extras_are_read_from_pyproject(extra: str) -> None:
+    """The runner installs the same extras as ``pip install .[hf,integrations]`` (a TOML parse
+    agrees), and the integration packages are among them."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((_PATH.parents[1] / "pyproject.toml").read_text())["project"]
-    assert compat.hf_packages() == project["optional-dependencies"]["hf"]
-    assert any(p.startswith("transformers") for p in compat.hf_packages())
+    assert compat.extra_packages(extra) == project["optional-dependencies"][extra]
+
+
+def test_extras_cover_the_hf_and_integration_packages() -> None:
+    packages = [p for extra in compat.EXTRAS for p in compat.extra_packages(extra)]
+    for name in ("transformers", "diffusers", "peft", "accelerate", "trl", "lightning"):
+        assert any(p.startswith(name) for p in packages), name
+    with pytest.raises(RuntimeError, match="no one-line 'nope = \\[...\\]'"):
+        compat.extra_packages("nope")
