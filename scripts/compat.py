@@ -7,9 +7,10 @@
 For each release: create (or reuse) ``VENV_ROOT/torch-X.Y.Z``, install ``torch==X.Y.Z`` (from
 the local wheel when the pip configuration has one, else from PyPI), then ``numpy``, ``pytest``
 and ``pytest-timeout``, the ``hf`` and ``integrations`` extras (transformers, diffusers,
-safetensors; peft, accelerate, trl, lightning) with the installed torch pinned, then this project, editable and without dependencies (so that pip never
-swaps the torch under test), and run ``python -m pytest -q`` in the repository root. Prints one
-line per release; exits non-zero if any release failed.
+safetensors; peft, accelerate, trl, lightning) with the installed torch pinned, then this
+project, editable and without dependencies (so that pip never swaps the torch under test), and
+run ``python -m pytest -q`` in the repository root. Prints one line per release; exits non-zero
+if any release failed.
 
 On machines whose pip configuration caps torch with a constraint file, the torch install of a
 release that is above the cap, or that no local wheel provides, runs with
