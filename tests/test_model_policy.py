@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from fsdp_precision import (
     Glob,
@@ -194,8 +195,67 @@ def case_never_claimed_entries_are_an_error_at_the_root() -> None:
     model.norm = nn.LayerNorm(16)  # replaced after the policy was built
     with pytest.raises(ParamDtypeMapError, match=r"this model_policy was built for a Net"):
         fully_shard(model.norm, mp_policy=policy)
-    with pytest.raises(ParamDtypeMapError, match=r"'norm.bias': its module was replaced after"):
+    with pytest.raises(ParamDtypeMapError, match=r"modules created after this model_policy"):
         fully_shard(model, mp_policy=policy)
+
+
+def case_parameters_of_modules_created_later_are_refused_where_they_are_wrapped() -> None:
+    """A module added after the policy was built (PEFT's adapters, a quantized replacement)
+    has no entry: its parameters would silently take param_dtype. The first call that manages
+    one refuses, naming them, before anything is sharded."""
+    model = net()
+    policy = model_policy(model, RULES)
+    model.blocks[0].adapter = nn.Linear(16, 16)  # e.g. get_peft_model after model_policy
+    with pytest.raises(ParamDtypeMapError) as error:
+        fully_shard(model.blocks[0], mp_policy=policy)
+    assert str(error.value) == (
+        "fully_shard manages parameters of modules created after this model_policy was built "
+        "for Net: 'adapter.weight' (Linear), 'adapter.bias' (Linear); the policy has no entry "
+        "for them, so they would silently take param_dtype. Build the policy with "
+        "model_policy(model, rules) after every module replacement (PEFT's get_peft_model, "
+        "quantization, float8 conversion), on the model you wrap"
+    )
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused first
+    # The way out: the policy built after the module was added; a rule can then keep it.
+    rules = PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(*KEEP, Glob("*adapter*")))
+    policy = model_policy(model, rules)
+    for module in [*model.blocks, model]:
+        fully_shard(module, mp_policy=policy)
+    with GatherProbe(model) as probe:
+        model(inputs(0))
+    assert probe.seen["blocks.0.adapter.weight"].dtype == fp32
+
+
+class Outer(nn.Module):
+    """A wrapper with no parameter of its own around the model (like PEFT's PeftModel)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def case_wrappers_without_parameters_are_accepted() -> None:
+    """Activation-checkpoint wrappers around the blocks and a wrapper around the root, all
+    made after the policy: they register no parameter, so every entry still resolves, and the
+    root's never-claimed check still runs through the outer wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = net()
+    policy = model_policy(model, RULES)
+    for i, block in enumerate(list(model.blocks)):
+        model.blocks[i] = checkpoint_wrapper(block)
+    outer = Outer(model)
+    for module in [*model.blocks, outer]:
+        fully_shard(module, mp_policy=policy)
+    assert_kept_in_fp32(outer)
+    model = net()
+    policy = model_policy(model, RULES)
+    fully_shard(model.blocks[0], mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
+    with pytest.raises(ParamDtypeMapError, match=r"'blocks.0.gate.weight': wrapped by a "):
+        fully_shard(Outer(model), mp_policy=policy)
 
 
 def case_a_call_that_refuses_claims_nothing() -> None:

@@ -15,19 +15,18 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision import _hf
+from fsdp_precision._claims import Targets, check_not_degraded, claim_params
 from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan, RuleClaims
+from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan
 from fsdp_precision._replicated import replicated_params
-from fsdp_precision._rules import AnyRule, DeclaredRule, PrecisionRules, rule_label
+from fsdp_precision._rules import PrecisionRules, rule_label
 
 __all__ = ["UnitSpec", "build_units", "compile_param_dtype_maps", "default_units"]
 
 #: What ``units`` holds: a module, or a list of modules for a grouped call.
 Unit = nn.Module | Sequence[nn.Module]
-#: Parameter (by ``id``) -> (kept dtype, the rule that claimed it).
-Targets = dict[int, tuple[torch.dtype, AnyRule]]
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,6 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     return [*blocks, model]
-
-
-def owner_of(model: nn.Module, fqn: str) -> nn.Module:
-    """The module that owns the parameter named ``fqn`` directly."""
-    owner_name = fqn.rpartition(".")[0]
-    return model.get_submodule(owner_name) if owner_name else model
 
 
 def fqns_by_param(model: nn.Module) -> dict[int, list[str]]:
@@ -96,10 +89,10 @@ def compile_param_dtype_maps(
     fqns_of = fqns_by_param(model)
     decision_dtype = rules.param_dtype or _majority_dtype(model)
     decls = tuple(_hf.declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
-    targets, claims = _claim(model, rules, decls, fqns_of)
+    targets, claims = claim_params(model, rules, decls, fqns_of)
     params = {id(p): p for p in model.parameters()}
     for pid, (kept, rule) in targets.items():
-        _check_not_degraded(fqns_of[pid][0], rule, kept, params[pid].dtype)
+        check_not_degraded(fqns_of[pid][0], rule, kept, params[pid].dtype)
 
     module_names = {id(m) for _, m in model.named_modules(remove_duplicate=False)}
     spec_modules = [
@@ -177,73 +170,6 @@ def _check_knobs(world_size: object, reshard_after_forward: object, hsdp: object
             f"reshard_after_forward must be None, True, False or an integer that divides "
             f"world_size={world_size} (the group size to reshard to after forward, as "
             f"fully_shard takes it), got {rsf!r}"
-        )
-
-
-def _claim(
-    model: nn.Module,
-    rules: PrecisionRules,
-    decls: Sequence[_hf.Declaration],
-    fqns_of: dict[int, list[str]],
-) -> tuple[Targets, tuple[RuleClaims, ...]]:
-    """Each parameter claimed by the first rule that matches any of its names.
-
-    User rules first, in order, then the model's declarations. A user rule that matches nothing,
-    or whose every match an earlier user rule took, is an error; a shadowed declaration is
-    ordinary precedence (``explain()`` shows it with 0 parameters).
-    """
-    declared = [
-        DeclaredRule(source=d.source, pattern=d.pattern, fqns=d.params) for d in decls if d.params
-    ]
-    ordered: list[AnyRule] = [*rules.rules, *declared]
-    owners = {f: owner_of(model, f) for fqns in fqns_of.values() for f in fqns}
-    claimed: list[list[str]] = [[] for _ in ordered]
-    targets: Targets = {}
-    taken_by: dict[int, int] = {}  # parameter -> index of the rule that claimed it
-    for pid, fqns in fqns_of.items():
-        for index, rule in enumerate(ordered):
-            if any(rule.matches(f, owners[f]) for f in fqns):
-                targets[pid] = (rule.dtype, rule)
-                claimed[index].append(fqns[0])
-                taken_by[pid] = index
-                break
-    example = next(iter(owners), "")
-    for index, rule in enumerate(rules.rules):
-        if claimed[index]:
-            continue
-        matched = [
-            pid for pid, fqns in fqns_of.items() if any(rule.matches(f, owners[f]) for f in fqns)
-        ]
-        label = f"precision rule {rule_label(rule)} -> {dtype_name(rule.dtype)}"
-        if not matched:
-            raise ParamDtypeMapError(
-                f"{label} matches no parameter of {type(model).__name__}; patterns match whole "
-                f"root-relative FQNs (e.g. {example!r}); use '*' to match any prefix"
-            )
-        earlier = sorted({taken_by[pid] for pid in matched})
-        names = ", ".join(
-            f"rules[{i}] {rule_label(ordered[i])} -> {dtype_name(ordered[i].dtype)}"
-            for i in earlier
-        )
-        raise ParamDtypeMapError(
-            f"{label} (rules[{index}]) claims no parameter: every parameter it matches "
-            f"({len(matched)}, e.g. {fqns_of[matched[0]][0]!r}) was claimed first by {names} "
-            "(first match wins). Remove it, or move it before the rule(s) it should override"
-        )
-    return targets, tuple(
-        RuleClaims(rule=rule, fqns=tuple(fqns), declared=index >= len(rules.rules))
-        for index, (rule, fqns) in enumerate(zip(ordered, claimed, strict=True))
-    )
-
-
-def _check_not_degraded(fqn: str, rule: AnyRule, kept: torch.dtype, storage: torch.dtype) -> None:
-    if storage.is_floating_point and storage.itemsize < kept.itemsize:
-        raise ParamDtypeMapError(
-            f"parameter {fqn!r} is kept in {dtype_name(kept)} by {rule_label(rule)} "
-            f"but is stored in {dtype_name(storage)}: precision was lost before "
-            "fsdp_precision saw the model (a .to(dtype) or from_config(dtype=...)). "
-            "Load it with from_pretrained(dtype=...) or fsdp_precision.hf."
-            "cast_keeping_fp32, or build it in fp32"
         )
 
 

@@ -14,6 +14,7 @@ wrapped, an entry that no call claimed is an error naming it.
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,14 +40,15 @@ class ModelScope:
         root: ``id`` of the model the entries were compiled on.
         model: The model's class name (for messages).
         entries: ``slot -> (root-relative FQN, dtype)``, one slot per registration (aliases).
-        modules: ``id`` of every module of the model when the policy was built.
+        modules: Every module of the model when the policy was built, held weakly (a module
+            created later is never mistaken for one of them, even at a reused address).
         claimed: Root-relative FQNs a completed ``fully_shard`` call has resolved.
     """
 
     root: int
     model: str
     entries: Mapping[Slot, tuple[str, torch.dtype]]
-    modules: frozenset[int] = frozenset()
+    modules: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     claimed: set[str] = field(default_factory=set)
 
     @property
@@ -108,7 +110,7 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
             root=id(model),
             model=type(model).__name__,
             entries=entries,
-            modules=frozenset(id(m) for m in model.modules()),
+            modules=weakref.WeakSet(model.modules()),
         ),
     )
 
@@ -121,49 +123,70 @@ def resolve_by_slot(
     Raises :class:`ParamDtypeMapError` when the call includes the root and an entry is
     claimed neither by it nor by an earlier call.
     """
-    strangers = [m for m in modules if id(m) not in scope.modules]
-    if strangers:
-        raise ParamDtypeMapError(
-            f"this model_policy was built for a {scope.model}, and fully_shard got a "
-            f"{type(strangers[0]).__name__} that is not one of its modules (or was created "
-            "after the policy): build the policy with model_policy(model, rules) on the model "
-            "you wrap, after any module replacement (PEFT, quantization)"
-        )
     managed = {id(p) for p in params}
     by_param: dict[int, torch.dtype] = {}
     by_slot: dict[Slot, torch.dtype] = {}
     fqns: dict[int, list[str]] = {}
     claims: set[str] = set()
     registered: list[tuple[int, str, int]] = []  # (id(module), attribute, id(parameter))
+    newcomers: list[tuple[str, nn.Module, str]] = []  # (module path, module, a parameter)
+    root: nn.Module | None = None
+    knows_any = False
     for module in modules:
         for prefix, sub in module.named_modules(remove_duplicate=False):
+            known = sub in scope.modules
+            knows_any |= known
+            if known and id(sub) == scope.root:
+                root = sub
             for name, param in sub._parameters.items():
                 if param is None or id(param) not in managed:
                     continue
-                fqns.setdefault(id(param), []).append(f"{prefix}.{name}" if prefix else name)
+                fqn = f"{prefix}.{name}" if prefix else name
+                fqns.setdefault(id(param), []).append(fqn)
                 registered.append((id(sub), name, id(param)))
+                if not known:
+                    newcomers.append((prefix, sub, fqn))
+                    continue
                 entry = scope.entries.get((id(sub), name))
                 if entry is not None:
                     by_param[id(param)] = entry[1]
                     claims.add(entry[0])
+    if not knows_any:
+        raise ParamDtypeMapError(
+            f"this model_policy was built for a {scope.model}, and fully_shard got a "
+            f"{type(modules[0]).__name__} that is not one of its modules: build the policy with "
+            "model_policy(model, rules) on the model you wrap"
+        )
+    if newcomers:
+        # Wrappers that register no parameter of their own (activation checkpointing,
+        # torch.compile, PEFT's PeftModel) are fine; a parameter registered by a module the
+        # policy never saw would silently take param_dtype (PEFT's fp32 adapters in bf16).
+        shown = ", ".join(f"{fqn!r} ({type(sub).__name__})" for _, sub, fqn in newcomers[:3])
+        more = f" and {len(newcomers) - 3} more" if len(newcomers) > 3 else ""
+        raise ParamDtypeMapError(
+            f"fully_shard manages parameters of modules created after this model_policy was "
+            f"built for {scope.model}: {shown}{more}; the policy has no entry for them, so they "
+            "would silently take param_dtype. Build the policy with model_policy(model, rules) "
+            "after every module replacement (PEFT's get_peft_model, quantization, float8 "
+            "conversion), on the model you wrap"
+        )
     # Every registration of a mapped parameter (aliases too): FSDP records one of them.
     for sub_id, name, pid in registered:
         if pid in by_param:
             by_slot[(sub_id, name)] = by_param[pid]
-    if any(id(m) == scope.root for m in modules):
-        _check_all_claimed(scope, claims, modules, managed)
+    if root is not None:
+        _check_all_claimed(scope, claims, root, managed)
     return by_param, by_slot, fqns, claims
 
 
 def _check_all_claimed(
-    scope: ModelScope, claims: set[str], modules: Sequence[nn.Module], managed: set[int]
+    scope: ModelScope, claims: set[str], root: nn.Module, managed: set[int]
 ) -> None:
     missing = sorted(scope.fqns - scope.claimed - claims)
     if not missing:
         return
     from torch.distributed.tensor import DTensor
 
-    root = next(m for m in modules if id(m) == scope.root)
     params = dict(root.named_parameters(remove_duplicate=False))
     reasons = []
     for fqn in missing[:4]:

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_precision._compile import Targets, UnitSpec, build_units
+from fsdp_precision._claims import Targets
+from fsdp_precision._compile import UnitSpec, build_units
 from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
 from fsdp_precision._records import PlannedParam, PrecisionPlan, checked_kwargs
