@@ -6,6 +6,10 @@ accelerate makes the ``fully_shard`` calls (each decoder layer, the input embedd
 in fp32; accelerate's plain policy gathers them in bf16 (the negative control), with the same
 collectives. On CPU accelerate would fall back to DDP: ``accelerate_fsdp2_on_cpu`` turns FSDP2
 back on, and every case asserts that the parameters really are DTensors.
+
+Parity: through accelerate (one step) and the Trainer (2 ``train()`` steps), ``model_policy`` is
+bitwise equal to the separate-units reference, each gate its own fp32 unit made before the
+framework's calls with the plain policy; the plain policy alone is not (the Trainer case checks).
 """
 
 from __future__ import annotations

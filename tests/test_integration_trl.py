@@ -5,7 +5,9 @@ SFTTrainer is an HF ``Trainer``: it builds accelerate's FSDP2 plugin from
 way. That policy keeps DeepSeek-V3's ``_keep_in_fp32_modules_strict`` router gates in fp32; the
 same SFTTrainer with the Trainer's own ``bf16=True`` policy gathers them in bf16 (the negative
 control), with the same collectives. On CPU accelerate would fall back to DDP:
-``accelerate_fsdp2_on_cpu`` turns FSDP2 back on, and the cases assert DTensors.
+``accelerate_fsdp2_on_cpu`` turns FSDP2 back on, and the cases assert DTensors. Parity: 2 SFT
+steps with ``model_policy`` are bitwise equal to the separate-units reference (each gate its own
+fp32 unit made before the trainer, plain policy); the plain policy alone is not.
 
 No downloads: the model is built from its config, the tokenizer from an in-memory WordLevel
 vocabulary, and the dataset is pre-tokenized ``input_ids``.
@@ -152,7 +154,6 @@ def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
     assert plain_reduced == {bf16}, plain_reduced  # bf16=True: bf16 gradient reduction
     assert counts == plain_counts, (counts, plain_counts)
     assert counts[0] > 0 and counts[1] > 0
-
 
 
 def trained_state(trainer: Any) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
