@@ -14,6 +14,8 @@ framework's calls with the plain policy; the plain policy alone is not (the Trai
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,7 +145,7 @@ def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> No
 TRAINER_RECORDS = ("loss", "grad_norm", "learning_rate", "epoch")  # logged every step
 
 
-def trainer_train(policy_for: str) -> tuple[object, object, object]:
+def trainer_train(policy_for: str) -> tuple[Any, Any, MixedPrecisionPolicy]:
     """2 HF Trainer steps of a tiny DeepSeek-V3 under FSDP2 with the policy ``policy_for`` (as in
     :func:`prepared`), the policy given through ``trainer_fsdp_policy``; returns
     (trainer, the ``train()`` result, the policy)."""
@@ -181,22 +183,20 @@ def trainer_train(policy_for: str) -> tuple[object, object, object]:
     return trainer, result, policy
 
 
-def trained_state(trainer: object, result: object) -> tuple[list[dict], dict[str, torch.Tensor]]:  # type: ignore[type-arg]
+def trained_state(
+    trainer: Any, result: Any
+) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """The per-step log records (loss, grad norm, ...) with the final training loss, and every
     parameter gathered, after training."""
-    history = [
-        {k: r[k] for k in TRAINER_RECORDS}
-        for r in trainer.state.log_history  # type: ignore[attr-defined]
-        if "loss" in r
-    ]
-    history.append({"training_loss": result.training_loss})  # type: ignore[attr-defined]
-    wrapped = trainer.model_wrapped  # type: ignore[attr-defined]
+    history = [{k: r[k] for k in TRAINER_RECORDS} for r in trainer.state.log_history if "loss" in r]
+    history.append({"training_loss": result.training_loss})
+    wrapped = trainer.model_wrapped
     return history, {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
 
 
 def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
     trainer, _, _ = trainer_train("model")
-    wrapped = trainer.model_wrapped  # type: ignore[attr-defined]
+    wrapped = trainer.model_wrapped
     with GatherProbe(wrapped) as probe, torch.no_grad():
         wrapped(**batch())
     assert all(probe.seen[n].dtype == fp32 for n in gates(wrapped))
