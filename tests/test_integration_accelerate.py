@@ -6,9 +6,15 @@ accelerate makes the ``fully_shard`` calls (each decoder layer, the input embedd
 in fp32; accelerate's plain policy gathers them in bf16 (the negative control), with the same
 collectives. On CPU accelerate would fall back to DDP: ``accelerate_fsdp2_on_cpu`` turns FSDP2
 back on, and every case asserts that the parameters really are DTensors.
+
+Parity: through accelerate (one step) and the Trainer (2 ``train()`` steps), ``model_policy`` is
+bitwise equal to the separate-units reference, each gate its own fp32 unit made before the
+framework's calls with the plain policy; the plain policy alone is not (the Trainer case checks).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +52,16 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def separate_gate_units(model: nn.Module) -> None:
+    """The separate-units reference: each router gate its own fp32 unit (param_dtype=None, the
+    gates are stored in fp32), made before the framework's ``fully_shard`` calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in gates(model):
+        gate = model.get_submodule(name.rsplit(".", 1)[0])
+        fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
+
+
 def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for``: 'model' (model_policy),
     'plain' (accelerate's plain policy) or 'separate' (each gate its own param_dtype=None unit,
@@ -61,11 +77,7 @@ def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]
         else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     )
     if policy_for == "separate":
-        from torch.distributed.fsdp import fully_shard
-
-        for name in gates(model):
-            gate = model.get_submodule(name.rsplit(".", 1)[0])
-            fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
+        separate_gate_units(model)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
     )
@@ -130,7 +142,15 @@ def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> No
         assert grad.dtype == ref_grads[name].dtype and torch.equal(grad, ref_grads[name]), name
 
 
-def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
+TRAINER_RECORDS = ("loss", "grad_norm", "learning_rate", "epoch")  # logged every step
+
+
+def trainer_train(policy_for: str) -> tuple[Any, Any, MixedPrecisionPolicy]:
+    """2 HF Trainer steps of a tiny DeepSeek-V3 under FSDP2 with the policy ``policy_for`` (as in
+    :func:`prepared`), the policy given through ``trainer_fsdp_policy``; returns
+    (trainer, the ``train()`` result, the policy)."""
+    import tempfile
+
     from transformers import Trainer, TrainingArguments
 
     fresh_accelerate_state()
@@ -139,13 +159,17 @@ def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
 
     torch.manual_seed(0)
     model = deepseek_v3()
-    policy = fp.model_policy(model, RULES)
-    import tempfile
-
+    policy = (
+        fp.model_policy(model, RULES)
+        if policy_for == "model"
+        else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    )
+    if policy_for == "separate":
+        separate_gate_units(model)  # before the Trainer: accelerate wraps around them
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
-            per_device_train_batch_size=2, report_to=[], save_strategy="no",
+            per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
         )  # fmt: skip
         trainer_fsdp_policy(args, policy)
@@ -156,9 +180,45 @@ def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
     wrapped = trainer.model_wrapped
     assert all(isinstance(p, DTensor) for p in wrapped.parameters())
+    return trainer, result, policy
+
+
+def trained_state(
+    trainer: Any, result: Any
+) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """The per-step log records (loss, grad norm, ...) with the final training loss, and every
+    parameter gathered, after training."""
+    history = [{k: r[k] for k in TRAINER_RECORDS} for r in trainer.state.log_history if "loss" in r]
+    history.append({"training_loss": result.training_loss})
+    wrapped = trainer.model_wrapped
+    return history, {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
+
+
+def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
+    trainer, _, _ = trainer_train("model")
+    wrapped = trainer.model_wrapped
     with GatherProbe(wrapped) as probe, torch.no_grad():
         wrapped(**batch())
     assert all(probe.seen[n].dtype == fp32 for n in gates(wrapped))
+
+
+def case_trainer_model_policy_trains_bitwise_like_separate_fp32_units() -> None:
+    """Parity: 2 Trainer steps, the gates inside their layers' units (``model_policy``) or as
+    separate fp32 units made before the Trainer (accelerate wraps around them, plain policy),
+    log the same losses and gradient norms (the norm that gradient clipping, on by default with
+    ``max_grad_norm=1.0``, divides by) and end with the same parameters, bitwise."""
+    runs = {v: trained_state(*trainer_train(v)[:2]) for v in ("model", "separate", "plain")}
+    (history, params), (ref_history, ref_params) = runs["model"], runs["separate"]
+    assert len(history) == 3 and history == ref_history, (history, ref_history)
+    assert params.keys() == ref_params.keys()
+    for name, param in params.items():
+        assert param.dtype == ref_params[name].dtype and torch.equal(param, ref_params[name]), name
+    # Negative control: the plain policy (gates gathered in bf16) trains differently, so the
+    # equality above would fail if model_policy gathered the gates in bf16.
+    plain_history, plain_params = runs["plain"]
+    assert plain_history != ref_history, plain_history
+    kept = [n for n in params if n.endswith("mlp.gate.weight")]
+    assert kept and not any(torch.equal(plain_params[n], ref_params[n]) for n in kept), kept
 
 
 def test_trainer_fsdp_policy_refuses_args_without_fsdp2() -> None:

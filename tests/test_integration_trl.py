@@ -5,7 +5,9 @@ SFTTrainer is an HF ``Trainer``: it builds accelerate's FSDP2 plugin from
 way. That policy keeps DeepSeek-V3's ``_keep_in_fp32_modules_strict`` router gates in fp32; the
 same SFTTrainer with the Trainer's own ``bf16=True`` policy gathers them in bf16 (the negative
 control), with the same collectives. On CPU accelerate would fall back to DDP:
-``accelerate_fsdp2_on_cpu`` turns FSDP2 back on, and the cases assert DTensors.
+``accelerate_fsdp2_on_cpu`` turns FSDP2 back on, and the cases assert DTensors. Parity: 2 SFT
+steps with ``model_policy`` are bitwise equal to the separate-units reference (each gate its own
+fp32 unit made before the trainer, plain policy); the plain policy alone is not.
 
 No downloads: the model is built from its config, the tokenizer from an in-memory WordLevel
 vocabulary, and the dataset is pre-tokenized ``input_ids``.
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
@@ -65,8 +68,23 @@ def gates(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")]
 
 
-def sft_train(with_policy: bool) -> tuple[Any, Any]:
-    """2 SFT steps of a tiny DeepSeek-V3 under FSDP2; returns (trainer, the policy or None)."""
+def separate_gate_units(model: nn.Module) -> None:
+    """The separate-units reference: each router gate its own fp32 unit (param_dtype=None, the
+    gates are stored in fp32), made before the trainer's ``fully_shard`` calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in gates(model):
+        gate = model.get_submodule(name.rsplit(".", 1)[0])
+        fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
+
+
+def sft_train(policy_for: str) -> tuple[Any, Any]:
+    """2 SFT steps of a tiny DeepSeek-V3 under FSDP2; returns (trainer, the policy or None).
+
+    ``policy_for``: 'model' (``model_policy`` through ``trainer_fsdp_policy``), 'trainer' (the
+    Trainer's own ``bf16=True`` policy), 'plain' (``MixedPrecisionPolicy(bf16, fp32)`` through
+    ``trainer_fsdp_policy``) or 'separate' (each gate its own fp32 unit, made before the
+    trainer, then 'plain': the separate-units reference)."""
     from trl import SFTConfig, SFTTrainer
 
     fresh_accelerate_state()
@@ -75,11 +93,16 @@ def sft_train(with_policy: bool) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     model = deepseek_v3()
-    policy = fp.model_policy(model, RULES) if with_policy else None
+    policy = {
+        "model": lambda: fp.model_policy(model, RULES),
+        "trainer": lambda: None,
+    }.get(policy_for, lambda: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))()
+    if policy_for == "separate":
+        separate_gate_units(model)  # before the trainer: accelerate wraps around them
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(
             output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
-            per_device_train_batch_size=2, report_to=[], save_strategy="no",
+            per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
         )  # fmt: skip
         if policy is not None:
@@ -107,7 +130,7 @@ def probe_forward(
 
 
 def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
-    trainer, policy = sft_train(with_policy=True)
+    trainer, policy = sft_train("model")
     plugin = trainer.accelerator.state.fsdp_plugin
     assert plugin.mixed_precision_policy is policy  # the Trainer and accelerate kept the object
     wrapped = trainer.model_wrapped
@@ -123,7 +146,7 @@ def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
     # Negative control: the same SFTTrainer with the Trainer's own bf16=True policy
     # (MixedPrecisionPolicy(bf16, bf16, bf16)) gathers the gates in bf16, with exactly the same
     # collectives (the kept gates cost no unit).
-    plain, _ = sft_train(with_policy=False)
+    plain, _ = sft_train("trainer")
     plain_policy = plain.accelerator.state.fsdp_plugin.mixed_precision_policy
     assert (plain_policy.param_dtype, plain_policy.reduce_dtype) == (bf16, bf16), plain_policy
     plain_seen, plain_counts, plain_reduced = probe_forward(plain.model_wrapped)
@@ -131,6 +154,37 @@ def case_sft_trainer_keeps_the_router_gates_in_fp32() -> None:
     assert plain_reduced == {bf16}, plain_reduced  # bf16=True: bf16 gradient reduction
     assert counts == plain_counts, (counts, plain_counts)
     assert counts[0] > 0 and counts[1] > 0
+
+
+def trained_state(trainer: Any) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """The log records (per step: loss, grad norm, token accuracy, ...; then the training loss)
+    without the timings, and every parameter gathered, after training."""
+    history = [
+        {k: v for k, v in r.items() if k != "train_runtime" and not k.endswith("_per_second")}
+        for r in trainer.state.log_history
+    ]
+    wrapped = trainer.model_wrapped
+    return history, {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
+
+
+def case_sft_trainer_model_policy_trains_bitwise_like_separate_fp32_units() -> None:
+    """Parity: 2 SFT steps, the gates inside their layers' units (``model_policy``) or as
+    separate fp32 units made before the trainer (accelerate wraps around them, plain policy),
+    log the same records (loss, gradient norm: the one clipping divides by, ``max_grad_norm=1.0``
+    by default) and end with the same parameters, bitwise."""
+    runs = {v: trained_state(sft_train(v)[0]) for v in ("model", "separate")}
+    (history, params), (ref_history, ref_params) = runs["model"], runs["separate"]
+    assert sum("loss" in r for r in history) == 2, history  # logging_steps=1
+    assert "train_loss" in history[-1] and history == ref_history, (history, ref_history)
+    assert params.keys() == ref_params.keys()
+    for name, param in params.items():
+        assert param.dtype == ref_params[name].dtype and torch.equal(param, ref_params[name]), name
+    # Negative control: the plain policy (gates gathered in bf16 in their layers' units) trains
+    # differently, so the equality above would fail if model_policy gathered the gates in bf16.
+    plain_history, plain_params = trained_state(sft_train("plain")[0])
+    assert plain_history != ref_history, plain_history
+    kept = [n for n in params if n.endswith("mlp.gate.weight")]
+    assert kept and not any(torch.equal(plain_params[n], ref_params[n]) for n in kept), kept
 
 
 CASES = collect_cases(globals())
