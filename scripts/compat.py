@@ -14,7 +14,8 @@ if any release failed.
 
 On machines whose pip configuration caps torch with a constraint file, the torch install of a
 release that is above the cap, or that no local wheel provides, runs with
-``PIP_CONFIG_FILE=/dev/null`` (that one command only; nothing is changed on disk).
+``PIP_CONFIG_FILE=/dev/null``, and so does the extras install of a release above the cap (those
+commands only; nothing is changed on disk).
 """
 
 from __future__ import annotations
@@ -148,24 +149,30 @@ def prepare_venv(version: str, venv: Path, log: TextIO) -> Path:
         if _run([sys.executable, "-m", "venv", str(venv)], log) != 0:
             raise RuntimeError(f"could not create the venv {venv}; see the log")
     current = _installed_torch(python)
+    env = dict(os.environ)
+    if parse_version(version) > CONSTRAINED_MAX:
+        # Above the machine's constraint file: the installs that resolve torch (torch itself,
+        # and the extras that depend on it) ignore the ambient pip configuration (the
+        # constraint file itself is left alone).
+        env["PIP_CONFIG_FILE"] = "/dev/null"
     if current is None or current.split("+")[0] != version:
-        env = dict(os.environ)
-        if parse_version(version) > CONSTRAINED_MAX or not has_local_wheel(version):
-            # Above the machine's constraint file, or only on PyPI: this one command ignores
-            # the ambient pip configuration (the constraint file itself is left alone).
-            env["PIP_CONFIG_FILE"] = "/dev/null"
+        torch_env = dict(env)
+        if not has_local_wheel(version):
+            torch_env["PIP_CONFIG_FILE"] = "/dev/null"  # only on PyPI
         cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        if _run(cmd + [f"torch=={version}"], log, env=env) != 0:
+        if _run(cmd + [f"torch=={version}"], log, env=torch_env) != 0:
             raise RuntimeError(f"pip could not install torch=={version}; see the log")
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if _run(cmd + list(TEST_PACKAGES), log) != 0:
         raise RuntimeError("pip could not install the test tools; see the log")
-    # The extras, with the installed torch pinned: their dependencies never swap the torch.
+    # The extras, with the installed torch pinned: their dependencies never swap the torch. The
+    # pin is the release without a local label (``2.11.0``, not ``2.11.0+cu130``): pip accepts
+    # the installed build for it, where a local label makes it search the indexes.
     packages = [package for extra in EXTRAS for package in extra_packages(extra)]
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as pin:
-        pin.write(f"torch=={_installed_torch(python)}\n")
+        pin.write(f"torch=={version}\n")
         pin.flush()
-        if _run(cmd + ["-c", pin.name, *packages], log) != 0:
+        if _run(cmd + ["-c", pin.name, *packages], log, env=env) != 0:
             raise RuntimeError(f"pip could not install the extras {', '.join(EXTRAS)}; see the log")
     if _run(cmd + ["--no-deps", "-e", str(ROOT)], log) != 0:
         raise RuntimeError(f"pip could not install {ROOT} (editable); see the log")
