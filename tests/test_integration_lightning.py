@@ -49,7 +49,9 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 def parallelize_with(policy_for: str) -> Callable[[nn.Module, DeviceMesh], nn.Module]:
-    """The recipe: a ``parallelize_fn`` sharding each decoder layer, then the root."""
+    """The recipe: a ``parallelize_fn`` sharding each decoder layer, then the root, with
+    ``policy_for``: 'model' (model_policy), 'plain' (a plain policy) or 'separate' (each gate
+    its own fp32 unit first, then the plain policy: the separate-units reference)."""
 
     def parallelize(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         policy = (
@@ -58,6 +60,10 @@ def parallelize_with(policy_for: str) -> Callable[[nn.Module, DeviceMesh], nn.Mo
             else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
         )
         mesh = device_mesh["data_parallel"]
+        if policy_for == "separate":
+            for name in gates(model):
+                gate = model.get_submodule(name.rsplit(".", 1)[0])
+                fully_shard(gate, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -128,6 +134,40 @@ def case_fabric_parallelize_fn_keeps_the_router_gates_in_fp32() -> None:
     assert counts == (2 * layers + 1, layers + 1), counts
 
 
+def assert_bitwise_equal(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == ref.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == ref[name].dtype and torch.equal(tensor, ref[name]), name
+
+
+def case_fabric_model_policy_is_bitwise_equal_to_separate_fp32_units() -> None:
+    """Parity: the same Fabric step, the gates inside their layers' units (one policy) or as
+    separate fp32 units made first in ``parallelize_fn`` (the reference, more collectives),
+    gives bitwise the same loss and gradients, and after an optimizer step the same loss."""
+    results = {}
+    for variant in ("model", "separate"):
+        fabric, model, optim = fabric_setup(variant)
+        with CollectiveRecorder() as recorder:
+            loss = model(**batch()).loss
+            fabric.backward(loss)
+        kinds = [c.kind for c in recorder.calls]
+        grads = {n: p.grad.full_tensor() for n, p in model.module.named_parameters()}
+        optim.step()
+        optim.zero_grad()
+        with torch.no_grad():
+            second = model(**batch()).loss
+        losses = {"first": loss.detach(), "second": second}
+        counts = (kinds.count("all_gather"), kinds.count("reduce_scatter"))
+        results[variant] = (losses, grads, counts)
+    (losses, grads, counts), (ref_losses, ref_grads, ref_counts) = results.values()
+    assert_bitwise_equal(losses, ref_losses)
+    assert_bitwise_equal(grads, ref_grads)
+    # The reference pays for it: each gate unit adds an all-gather in forward and in backward
+    # and a reduce-scatter.
+    n = len(gates(model.module))
+    assert ref_counts == (counts[0] + 2 * n, counts[1] + n), (ref_counts, counts)
+
+
 def case_data_parallel_size_auto_shards_nothing_on_one_node() -> None:
     """Why the recipe sets ``data_parallel_size``: Lightning's "auto" is the number of nodes."""
     _, model, _ = fabric_setup("model", sizes="auto")
@@ -136,7 +176,8 @@ def case_data_parallel_size_auto_shards_nothing_on_one_node() -> None:
 
 
 def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
-    """Two training steps of the Trainer with ModelParallelStrategy; per step: dtypes, counts."""
+    """Two training steps of the Trainer with ModelParallelStrategy; per step: dtypes, counts,
+    loss; and each step's full gradients."""
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -161,6 +202,7 @@ def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
 
         def __init__(self) -> None:
             self.steps: list[tuple[dict[str, torch.dtype], tuple[int, int], float]] = []
+            self.grads: list[dict[str, torch.Tensor]] = []
 
         def on_train_batch_start(self, trainer, module, batch, index):  # type: ignore[no-untyped-def]
             assert all(isinstance(p, DTensor) for p in module.parameters())  # FSDP2, sharded
@@ -175,6 +217,9 @@ def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
             seen = {k: v.dtype for k, v in self.probe.seen.items()}
             self.steps.append((seen, counts, float(outputs["loss"])))
 
+        def on_before_optimizer_step(self, trainer, module, optimizer):  # type: ignore[no-untyped-def]
+            self.grads.append({n: p.grad.full_tensor() for n, p in module.model.named_parameters()})
+
     torchrun_environment()
     torch.manual_seed(0)
     module, observe = Module(), Observe()
@@ -187,11 +232,11 @@ def trainer_fit(policy_for: str):  # type: ignore[no-untyped-def]
     data = [{k: v[0] for k, v in batch().items()} for _ in range(8)]
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     assert trainer.global_step == 2 and len(observe.steps) == 2
-    return module.model, observe.steps
+    return module.model, observe.steps, observe.grads
 
 
 def case_trainer_configure_model_keeps_the_router_gates_in_fp32() -> None:
-    model, steps = trainer_fit("model")
+    model, steps, _ = trainer_fit("model")
     kept = gates(model)
     for seen, _, loss in steps:
         assert len(seen) == len(list(model.parameters()))
@@ -199,12 +244,27 @@ def case_trainer_configure_model_keeps_the_router_gates_in_fp32() -> None:
         assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
         assert all(d == bf16 for n, d in seen.items() if n not in kept)
     # Negative control: the same Trainer with a plain policy gathers the gates in bf16.
-    _, plain_steps = trainer_fit("plain")
+    _, plain_steps, _ = trainer_fit("plain")
     for (_, counts, _), (plain_seen, plain_counts, _) in zip(steps, plain_steps):
         assert all(plain_seen[n] == bf16 for n in kept)
         assert counts == plain_counts, (counts, plain_counts)
     layers = len(model.model.layers)
     assert all(counts == (2 * layers + 1, layers + 1) for _, counts, _ in steps), steps
+
+
+def case_trainer_model_policy_is_bitwise_equal_to_separate_fp32_units() -> None:
+    """Parity through ``configure_model``: two Trainer steps, the gates inside their layers'
+    units or as separate fp32 units (the reference), give bitwise the same losses and
+    gradients; the reference runs more collectives."""
+    model, steps, grads = trainer_fit("model")
+    _, ref_steps, ref_grads = trainer_fit("separate")
+    assert [loss for *_, loss in steps] == [loss for *_, loss in ref_steps], (steps, ref_steps)
+    assert len(grads) == len(ref_grads) == 2
+    for got, ref in zip(grads, ref_grads):
+        assert_bitwise_equal(got, ref)
+    n = len(gates(model))
+    for (_, counts, _), (_, ref_counts, _) in zip(steps, ref_steps):
+        assert ref_counts == (counts[0] + 2 * n, counts[1] + n), (ref_counts, counts)
 
 
 CASES = collect_cases(globals())
