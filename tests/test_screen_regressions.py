@@ -121,6 +121,23 @@ def case_wrapped_vision_tower_still_records_hidden_states() -> None:
         raise AssertionError("plain fully_shard kept the hidden states: the control is void")
 
 
+def case_vision_tower_records_hidden_states_under_framework_calls() -> None:
+    """The same through model_policy, with the calls a framework makes itself (accelerate and
+    the others never go through PrecisionPlan.apply): the construction step registers the
+    swapped class at its first forward."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    arch = ARCHS["llava"]
+    model = build(arch)
+    policy = fp.model_policy(model, fp.PrecisionRules(rules=arch.rules))
+    assert policy.param_dtype_map  # a mapped policy: the calls take the patched path
+    for module in [model.model.vision_tower, model.model, model]:
+        fully_shard(module, mp_policy=policy)
+        dict.pop(_CAN_RECORD_REGISTRY, str(type(module)), None)  # no earlier registration
+    assert math.isfinite(arch.loss(model, batch_of(arch, 0, dist.get_rank())).item())
+
+
 CASES = collect_cases(globals())
 
 results, test_regression = distributed_suite(2, __name__, CASES)

@@ -30,6 +30,7 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
 
 from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._hf import keep_output_recording
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._resolve import ResolvedMap, resolve_param_dtype_map
 
@@ -73,7 +74,7 @@ def init_param_group(
     if native:
         args, kwargs = rebind_mp_policy(args, kwargs, _native.native_policy(mp_policy, resolved))
         original(state, params, modules, *args, **kwargs)
-        _claim(mp_policy, resolved)
+        _claim(mp_policy, resolved, modules)
         _log_mapped(modules, resolved, "native override")
         return None
     before = len(state._fsdp_param_groups) if release.param_group_list else 0
@@ -83,16 +84,21 @@ def init_param_group(
             info = fsdp_param._module_info
             dtype = resolved.by_slot.get((id(info.module), info.param_name))
             setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
-    _claim(mp_policy, resolved)
+    _claim(mp_policy, resolved, modules)
     _log_mapped(modules, resolved, "mapped")
     return None
 
 
-def _claim(policy: ParamDtypeMixedPrecisionPolicy, resolved: ResolvedMap) -> None:
-    """Record a model-scoped policy's entries this (successful) call resolved."""
+def _claim(
+    policy: ParamDtypeMixedPrecisionPolicy, resolved: ResolvedMap, modules: Sequence[nn.Module]
+) -> None:
+    """After a successful call: record the model-scoped policy's entries it resolved, and keep
+    transformers' output recording of its modules, whose class ``fully_shard`` swaps next (for
+    frameworks that call ``fully_shard`` themselves; ``PrecisionPlan.apply`` does it too)."""
     scope = getattr(policy, "scope", None)
     if scope is not None:
         scope.claimed.update(resolved.claims)
+    keep_output_recording(modules)
 
 
 def _new_param_groups(state: Any, before: int, release: ReleaseTraits) -> list[Any]:
