@@ -7,7 +7,10 @@ same SFTTrainer with the Trainer's own ``bf16=True`` policy gathers them in bf16
 control), with the same collectives. On CPU accelerate would fall back to DDP:
 ``accelerate_fsdp2_on_cpu`` turns FSDP2 back on, and the cases assert DTensors. Parity: 2 SFT
 steps with ``model_policy`` are bitwise equal to the separate-units reference (each gate its own
-fp32 unit made before the trainer, plain policy); the plain policy alone is not.
+fp32 unit made before the trainer, plain policy); the plain policy alone is not. PEFT:
+``SFTTrainer(peft_config=...)`` adds the adapters after a policy built on the base, which is
+refused by name; the recipe (``get_peft_model`` first, the policy on the PeftModel) keeps them
+in fp32.
 
 No downloads: the model is built from its config, the tokenizer from an in-memory WordLevel
 vocabulary, and the dataset is pre-tokenized ``input_ids``.
@@ -185,6 +188,84 @@ def case_sft_trainer_model_policy_trains_bitwise_like_separate_fp32_units() -> N
     assert plain_history != ref_history, plain_history
     kept = [n for n in params if n.endswith("mlp.gate.weight")]
     assert kept and not any(torch.equal(plain_params[n], ref_params[n]) for n in kept), kept
+
+
+# ---------------------------------------------------------------------- PEFT inside SFTTrainer
+
+LORA_RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*lora_*"),))
+
+
+def tiny_llama(dtype: torch.dtype = bf16) -> nn.Module:
+    """A tiny Llama stored in ``dtype`` (bf16: the base PEFT's fp32 adapters sit beside)."""
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def sft_lora(model: nn.Module, policy: Any, peft_config: Any = None) -> Any:
+    """2 SFT steps of ``model`` (PEFT inside the trainer when ``peft_config``) under FSDP2."""
+    from trl import SFTConfig, SFTTrainer
+
+    fresh_accelerate_state()
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(
+            output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
+            per_device_train_batch_size=2, report_to=[], save_strategy="no",
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+        )  # fmt: skip
+        trainer_fsdp_policy(args, policy)
+        trainer = cpu_fsdp2_trainer(SFTTrainer)(
+            model=model, args=args, train_dataset=dataset(), processing_class=tokenizer(),
+            peft_config=peft_config,
+        )  # fmt: skip
+        trainer.train()
+    return trainer
+
+
+def case_peft_config_inside_sft_trainer_refuses_a_policy_built_before_peft() -> None:
+    """SFTTrainer(peft_config=...) adds the adapters after the user built the policy: the
+    policy has no entry for them, and the first unit that manages one refuses (they would
+    silently compute in param_dtype) rather than train."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(fp.ParamDtypeMapError, match=r"matches no parameter of LlamaForCausalLM"):
+        fp.model_policy(tiny_llama(), LORA_RULES)  # no adapter exists yet
+    base = tiny_llama(fp32)  # fp32 storage, so that the norms can be kept
+    norms = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*norm.weight"),))
+    with pytest.raises(
+        fp.ParamDtypeMapError,
+        match=r"fully_shard manages parameters of modules created after this model_policy was "
+        r"built for LlamaForCausalLM: 'self_attn.q_proj.lora_A.default.weight' \(Linear\)",
+    ):
+        sft_lora(base, fp.model_policy(base, norms), peft_config=lora)
+
+
+def case_peft_model_handed_to_sft_trainer_keeps_fp32_adapters() -> None:
+    """The recipe: get_peft_model first, the policy on the PeftModel, the PeftModel to the
+    trainer (no peft_config). The adapters are gathered in fp32 beside the bf16 base, with the
+    collectives of the plain policy (the negative control gathers them in bf16)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
+
+    def lora_model() -> nn.Module:
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return peft.get_peft_model(tiny_llama(), lora, autocast_adapter_dtype=True)
+
+    model = lora_model()
+    trainer = sft_lora(model, fp.model_policy(model, LORA_RULES))
+    wrapped = trainer.model_wrapped
+    assert all(isinstance(p, DTensor) for p in wrapped.parameters())  # FSDP2, not DDP
+    seen, counts, reduced = probe_forward(wrapped)
+    adapters = [n for n, _ in wrapped.named_parameters() if "lora_" in n]
+    assert adapters and all(seen[n] == fp32 for n in adapters), {n: seen[n] for n in adapters}
+    assert all(d == bf16 for n, d in seen.items() if "lora_" not in n), seen
+    assert reduced == {fp32}, reduced
+    plain = sft_lora(lora_model(), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+    plain_seen, plain_counts, _ = probe_forward(plain.model_wrapped)
+    assert all(plain_seen[n] == bf16 for n in adapters)
+    assert counts == plain_counts, (counts, plain_counts)
 
 
 CASES = collect_cases(globals())
