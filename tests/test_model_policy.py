@@ -224,6 +224,15 @@ def case_parameters_of_modules_created_later_are_refused_where_they_are_wrapped(
     with GatherProbe(model) as probe:
         model(inputs(0))
     assert probe.seen["blocks.0.adapter.weight"].dtype == fp32
+    # A module created later that registers an existing parameter (a tie) adds no parameter.
+    model = net()
+    policy = model_policy(model, RULES)
+    alias = nn.Module()
+    alias.register_parameter("weight", model.blocks[0].gate.weight)
+    model.blocks[0].alias = alias
+    for module in [*model.blocks, model]:
+        fully_shard(module, mp_policy=policy)
+    assert gathered(model)["blocks.0.gate.weight"] == fp32
 
 
 class Outer(nn.Module):

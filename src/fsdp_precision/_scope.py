@@ -120,8 +120,10 @@ def resolve_by_slot(
 ) -> tuple[dict[int, torch.dtype], dict[Slot, torch.dtype], dict[int, list[str]], set[str]]:
     """``(by_param, by_slot, local fqns, claimed root FQNs)`` of one call's managed parameters.
 
-    Raises :class:`ParamDtypeMapError` when the call includes the root and an entry is
-    claimed neither by it nor by an earlier call.
+    Raises :class:`ParamDtypeMapError` when the call's modules are not the policy's model's,
+    when a managed parameter is registered only by modules created after the policy (it has no
+    entry), and when the call includes the root and an entry is claimed neither by it nor by an
+    earlier call.
     """
     managed = {id(p) for p in params}
     by_param: dict[int, torch.dtype] = {}
@@ -129,7 +131,8 @@ def resolve_by_slot(
     fqns: dict[int, list[str]] = {}
     claims: set[str] = set()
     registered: list[tuple[int, str, int]] = []  # (id(module), attribute, id(parameter))
-    newcomers: list[tuple[str, nn.Module, str]] = []  # (module path, module, a parameter)
+    seen_by_scope: set[int] = set()  # managed parameters a known module registers
+    newcomers: dict[int, tuple[nn.Module, str]] = {}  # parameter -> (new module, local fqn)
     root: nn.Module | None = None
     knows_any = False
     for module in modules:
@@ -145,8 +148,9 @@ def resolve_by_slot(
                 fqns.setdefault(id(param), []).append(fqn)
                 registered.append((id(sub), name, id(param)))
                 if not known:
-                    newcomers.append((prefix, sub, fqn))
+                    newcomers.setdefault(id(param), (sub, fqn))
                     continue
+                seen_by_scope.add(id(param))
                 entry = scope.entries.get((id(sub), name))
                 if entry is not None:
                     by_param[id(param)] = entry[1]
@@ -157,12 +161,13 @@ def resolve_by_slot(
             f"{type(modules[0]).__name__} that is not one of its modules: build the policy with "
             "model_policy(model, rules) on the model you wrap"
         )
-    if newcomers:
-        # Wrappers that register no parameter of their own (activation checkpointing,
-        # torch.compile, PEFT's PeftModel) are fine; a parameter registered by a module the
-        # policy never saw would silently take param_dtype (PEFT's fp32 adapters in bf16).
-        shown = ", ".join(f"{fqn!r} ({type(sub).__name__})" for _, sub, fqn in newcomers[:3])
-        more = f" and {len(newcomers) - 3} more" if len(newcomers) > 3 else ""
+    # Wrappers that register no parameter of their own (activation checkpointing, torch.compile,
+    # PEFT's PeftModel) are fine; a parameter only modules the policy never saw register would
+    # silently take param_dtype (PEFT's fp32 adapters in bf16).
+    unknown = [v for pid, v in newcomers.items() if pid not in seen_by_scope]
+    if unknown:
+        shown = ", ".join(f"{fqn!r} ({type(sub).__name__})" for sub, fqn in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         raise ParamDtypeMapError(
             f"fully_shard manages parameters of modules created after this model_policy was "
             f"built for {scope.model}: {shown}{more}; the policy has no entry for them, so they "
