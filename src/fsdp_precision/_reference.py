@@ -3,8 +3,7 @@
 It emulates exactly what FSDP does to numerics (see :mod:`fsdp_precision._verify`): parameters
 cast to their planned compute dtype with storage-dtype masters for the optimizer, each unit's
 inputs cast to its ``param_dtype`` and outputs to its ``output_dtype``, grad-requiring inputs
-through an identity autograd node, gradients summed in the dtype FSDP sets as the unsharded
-parameter's ``grad_dtype`` (2.15), and through the unit's ``reduce_dtype``.
+through an identity autograd node, and gradients through the unit's ``reduce_dtype``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fsdp_precision._patch import release_traits
 from fsdp_precision._records import PlannedParam, PrecisionPlan
 
 __all__ = ["Reference", "planned_params"]
@@ -106,8 +104,6 @@ class Reference:
                 if param.dtype != compute:
                     param.data = param.data.to(compute)
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        if release_traits().unsharded_grad_dtype:
-            self._sum_gradients_as_fsdp(planned)
         for unit in plan.units:
             policy = unit.policy
             cast = policy.param_dtype if policy.cast_forward_inputs else None
@@ -118,16 +114,6 @@ class Reference:
                 )
                 if policy.output_dtype is not None:
                     ref.register_forward_hook(_post_forward(policy.output_dtype))
-
-    def _sum_gradients_as_fsdp(self, planned: dict[str, PlannedParam]) -> None:
-        """FSDP (2.15) gives each unsharded parameter ``grad_dtype`` = its unit's reduce dtype
-        (else its storage dtype): autograd then sums the gradients of several uses in it."""
-        reduce_of = {p.fqn: u.policy.reduce_dtype for u in self.plan.units for p in u.params}
-        for fqn, param in self.module.named_parameters():
-            p = planned[fqn]
-            target = reduce_of.get(p.fqn) or p.storage
-            if param.requires_grad and param.dtype != target:
-                param.grad_dtype = target
 
     def master_grads(self) -> dict[str, torch.Tensor | None]:
         """Each compute-dtype gradient through its reduce dtype into its storage dtype."""

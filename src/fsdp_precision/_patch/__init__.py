@@ -40,7 +40,6 @@ __all__ = [
     "apply_param_dtype_map_patch",
     "check_planned_call",
     "is_param_dtype_map_patch_applied",
-    "release_traits",
     "remove_param_dtype_map_patch",
     "torch_release",
 ]
@@ -100,13 +99,6 @@ def apply_param_dtype_map_patch() -> None:
         _install.install(release.TRAITS)
         _applied = release.TRAITS
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
-
-
-def release_traits() -> ReleaseTraits:
-    """The :class:`ReleaseTraits` of the installed torch release, whether or not the patch is
-    applied (pure data; raises :class:`UnsupportedTorchError` on an unsupported release)."""
-    traits: ReleaseTraits = _release_module().TRAITS
-    return traits
 
 
 def check_planned_call(

@@ -51,12 +51,6 @@ class ReleaseTraits:
     #: over the gradient dtypes. torch's ``foreach_reduce`` is then kept, and ``_mp_dtypes`` sets
     #: that group state instead of ``_orig_dtype``.
     mixed_dtype_reduce: bool = False
-    #: 2.15: ``FSDPParam.init_unsharded_param`` sets the unsharded parameter's ``grad_dtype``
-    #: (``unsharded_grad_dtype``: the reduce dtype, else the storage dtype), so autograd sums
-    #: the gradients of a parameter's several uses in that dtype, not in the compute dtype.
-    #: The parity reference (``fsdp_precision.testing.verify_parity``) does the same. For every
-    #: unit, mapped or not.
-    unsharded_grad_dtype: bool = False
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):

@@ -21,7 +21,6 @@ TRAITS = ReleaseTraits(
     native_override=True,  # where the native override can express the map
     patches_precision=True,  # where it cannot
     mixed_dtype_reduce=True,
-    unsharded_grad_dtype=True,
 )
 
 #: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
