@@ -39,6 +39,17 @@ class Arch:
     kept: tuple[str, ...]  # substrings of FQNs expected to be kept in fp32
 
 
+def tiny_llama(vocab: int, dtype: torch.dtype = fp32, **config: int) -> nn.Module:
+    """A 2-layer Llama (hidden 32 unless ``config`` says otherwise) seeded with 0, in ``dtype``."""
+    import transformers
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2, **config}  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, **sizes))
+    return model.to(dtype)
+
+
 def _ids(g: torch.Generator, vocab: int = 96, shape: tuple[int, int] = (2, 8)) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=g)
 

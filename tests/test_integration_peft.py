@@ -16,6 +16,7 @@ import fsdp_precision as fp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from _harness import collect_cases, distributed_suite
+from _hf_models import tiny_llama
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -25,12 +26,7 @@ RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*
 
 
 def lora_model() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=64,
-    )  # fmt: skip
-    base = transformers.LlamaForCausalLM(config).to(bf16)
+    base = tiny_llama(64, bf16)
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return peft.get_peft_model(base, lora, autocast_adapter_dtype=True)
 

@@ -31,6 +31,7 @@ import fsdp_precision as fp
 from fsdp_precision.testing import GatherProbe
 
 from _harness import collect_cases, distributed_suite
+from _hf_models import tiny_llama
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -44,10 +45,6 @@ OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]
 def qlora_model(storage: torch.dtype) -> nn.Module:
     """A tiny Llama saved and reloaded in 4-bit NF4 (``storage`` packs the codes), with fp32
     LoRA adapters on q/v (PEFT's ``autocast_adapter_dtype``); the same on every call."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
     quantization = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bf16,
         bnb_4bit_quant_storage=storage,
@@ -56,8 +53,9 @@ def qlora_model(storage: torch.dtype) -> nn.Module:
     dist.broadcast_object_list(where, src=0)  # transformers saves on rank 0 only
     try:
         if dist.get_rank() == 0:
-            torch.manual_seed(0)
-            transformers.LlamaForCausalLM(config).save_pretrained(where[0])
+            tiny_llama(
+                64, hidden_size=64, intermediate_size=128, num_attention_heads=4
+            ).save_pretrained(where[0])
         dist.barrier()
         base = transformers.LlamaForCausalLM.from_pretrained(
             where[0], quantization_config=quantization, dtype=bf16, device_map="cpu"

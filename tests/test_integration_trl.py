@@ -35,7 +35,7 @@ from fsdp_precision.integrations import (
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from _harness import collect_cases, distributed_suite, fresh_accelerate_state
-from _hf_models import deepseek_v3
+from _hf_models import deepseek_v3, tiny_llama
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install '.[trl]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -81,6 +81,17 @@ def separate_gate_units(model: nn.Module) -> None:
         fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
 
 
+def sft_config(out: str, layer: str) -> Any:
+    """2 steps of FSDP2 on CPU, each ``layer`` a unit, every step logged."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
+        per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer]},
+    )  # fmt: skip
+
+
 def sft_train(policy_for: str) -> tuple[Any, Any]:
     """2 SFT steps of a tiny DeepSeek-V3 under FSDP2; returns (trainer, the policy or None).
 
@@ -88,7 +99,7 @@ def sft_train(policy_for: str) -> tuple[Any, Any]:
     Trainer's own ``bf16=True`` policy), 'plain' (``MixedPrecisionPolicy(bf16, fp32)`` through
     ``trainer_fsdp_policy``) or 'separate' (each gate its own fp32 unit, made before the
     trainer, then 'plain': the separate-units reference)."""
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     fresh_accelerate_state()
 
@@ -103,11 +114,7 @@ def sft_train(policy_for: str) -> tuple[Any, Any]:
     if policy_for == "separate":
         separate_gate_units(model)  # before the trainer: accelerate wraps around them
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(
-            output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
-            per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
-            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
-        )  # fmt: skip
+        args = sft_config(out, "DeepseekV3DecoderLayer")
         if policy is not None:
             trainer_fsdp_policy(args, policy)
         trainer = CpuFsdp2SFTTrainer(
@@ -195,27 +202,13 @@ def case_sft_trainer_model_policy_trains_bitwise_like_separate_fp32_units() -> N
 LORA_RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*lora_*"),))
 
 
-def tiny_llama(dtype: torch.dtype = bf16) -> nn.Module:
-    """A tiny Llama stored in ``dtype`` (bf16: the base PEFT's fp32 adapters sit beside)."""
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=VOCAB,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype)
-
-
 def sft_lora(model: nn.Module, policy: Any, peft_config: Any = None) -> Any:
     """2 SFT steps of ``model`` (PEFT inside the trainer when ``peft_config``) under FSDP2."""
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     fresh_accelerate_state()
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(
-            output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
-            per_device_train_batch_size=2, report_to=[], save_strategy="no",
-            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-        )  # fmt: skip
+        args = sft_config(out, "LlamaDecoderLayer")
         trainer_fsdp_policy(args, policy)
         trainer = cpu_fsdp2_trainer(SFTTrainer)(
             model=model, args=args, train_dataset=dataset(), processing_class=tokenizer(),
@@ -232,8 +225,8 @@ def case_peft_config_inside_sft_trainer_refuses_a_policy_built_before_peft() -> 
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     with pytest.raises(fp.ParamDtypeMapError, match=r"matches no parameter of LlamaForCausalLM"):
-        fp.model_policy(tiny_llama(), LORA_RULES)  # no adapter exists yet
-    base = tiny_llama(fp32)  # fp32 storage, so that the norms can be kept
+        fp.model_policy(tiny_llama(VOCAB, bf16), LORA_RULES)  # no adapter exists yet
+    base = tiny_llama(VOCAB, fp32)  # fp32 storage, so that the norms can be kept
     norms = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*norm.weight"),))
     with pytest.raises(
         fp.ParamDtypeMapError,
@@ -251,7 +244,7 @@ def case_peft_model_handed_to_sft_trainer_keeps_fp32_adapters() -> None:
 
     def lora_model() -> nn.Module:
         lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        return peft.get_peft_model(tiny_llama(), lora, autocast_adapter_dtype=True)
+        return peft.get_peft_model(tiny_llama(VOCAB, bf16), lora, autocast_adapter_dtype=True)
 
     model = lora_model()
     trainer = sft_lora(model, fp.model_policy(model, LORA_RULES))

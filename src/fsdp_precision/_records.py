@@ -213,7 +213,10 @@ class PrecisionPlan:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)
         average_gradients(scalars, kwargs.get("mesh"))
-        _hf.keep_output_recording([m for u in self.units for m in u.modules])
+        # Mapped units had it done by their construction step; the others are plain calls.
+        _hf.keep_output_recording(
+            [m for u in self.units if not u.param_dtype_map for m in u.modules]
+        )
         return self.model
 
     def check(self, *, ignored_params: Any = None) -> None:
