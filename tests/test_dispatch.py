@@ -101,8 +101,9 @@ def test_every_release_module_hashes_every_target(module: object) -> None:
 
 # How many functions each release hashes: the targets computed from the traits must stay those
 # the release modules were generated with (2.11 also hashes its compiled-autograd switch; 2.15
-# hashes its native override, its mixed-dtype reduction and what its two replacements rely on).
-HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 33}
+# hashes its native override, its mixed-dtype reduction, what its two replacements rely on, and
+# the pre-backward call that defers the gradient upcast).
+HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 34}
 
 
 @pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
@@ -124,17 +125,19 @@ def test_targets_follow_the_traits(module: object) -> None:
         "torch.distributed.fsdp._fully_shard._fsdp_collectives:foreach_reduce"
     )
     assert (reduce_index < 4) == (not traits.mixed_dtype_reduce)
+    deferred = any(t.endswith(":FSDPParamGroup.pre_backward") for t in hashed)
+    assert deferred == traits.defers_grad_upcast
 
 
 # Every trait of every release, as docs/how-it-works.md tables them (the release modules name
 # only where they differ from the defaults, so a changed default shows here).
 TRAIT_TABLE = {
-    #         groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce
-    "2.11": (False, False, False, True, 6, False, True, False),
-    "2.12": (True, True, True, False, 6, False, True, False),
-    "2.13": (True, True, True, False, 7, False, True, False),
-    "2.14": (True, True, True, False, 7, False, True, False),
-    "2.15": (True, True, True, False, 7, True, True, True),
+    # groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce, defers
+    "2.11": (False, False, False, True, 6, False, True, False, False),
+    "2.12": (True, True, True, False, 6, False, True, False, False),
+    "2.13": (True, True, True, False, 7, False, True, False, False),
+    "2.14": (True, True, True, False, 7, False, True, False, False),
+    "2.15": (True, True, True, False, 7, True, True, True, True),
 }
 
 
@@ -153,6 +156,10 @@ def test_release_traits_are_the_documented_ones(module: object) -> None:
         (
             {"foreach_reduce_results": 6},
             r"mixed_dtype_reduce \(2\.15\) needs foreach_reduce_results=7",
+        ),
+        (
+            {"mixed_dtype_reduce": False},
+            r"defers_grad_upcast \(2\.15\) needs mixed_dtype_reduce",
         ),
     ],
 )

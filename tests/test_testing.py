@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -10,8 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+import fsdp_precision._reference as reference_module
 from fsdp_precision import ParamDtypeMixedPrecisionPolicy, PrecisionRules, compile_param_dtype_maps
-from fsdp_precision.testing import GatherProbe, gather_across_ranks, verify_parity
+from fsdp_precision._patch import release_traits
+from fsdp_precision.testing import GatherProbe, ParityReport, gather_across_ranks, verify_parity
 
 from _harness import collect_cases, distributed_suite
 
@@ -93,6 +96,59 @@ def case_verify_reports_the_worst_rank_on_every_rank() -> None:
         # Rank 0's own output and loss match; the report still holds rank 1's mismatch.
         assert report.ok is not perturb, report.format()
         assert report.loss_match is not perturb and report.output_match is not perturb
+
+
+class _GradDtypes(nn.Module):
+    """Each way a bf16 compute weight's gradient can leave autograd: a fused ``rms_norm``
+    kernel (its weight gradient comes out in fp32), a bf16 weight scaling fp32 activations
+    (GPT-OSS's norm), a broadcast weight used twice (RWKV's ``time_mix``), and a tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.norm = nn.RMSNorm(16)
+        self.scale = nn.Parameter(torch.rand(16) + 0.5)
+        self.mix = nn.Parameter(torch.rand(1, 1, 16))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids))
+        h = (self.scale * h.float()).to(h.dtype)
+        h = self.mix * h + (1 - self.mix) * h.roll(1, dims=1)
+        return self.head(h)
+
+
+def _grad_dtype_report(defers: bool | None) -> ParityReport:
+    """``verify_parity`` of :class:`_GradDtypes` in bf16 with fp32 gradients; ``defers`` forces
+    the reference's rule for where autograd leaves a gradient (``None``: the release's)."""
+    torch.manual_seed(0)
+    model = _GradDtypes()
+    rules = PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)
+    plan = compile_param_dtype_maps(model, rules, [model])
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    traits = reference_module.release_traits
+    if defers is not None:
+        reference_module.release_traits = lambda: SimpleNamespace(defers_grad_upcast=defers)
+    try:
+        return verify_parity(plan, {"ids": ids})
+    finally:
+        reference_module.release_traits = traits
+
+
+def case_reference_leaves_gradients_where_the_release_does() -> None:
+    # 2.15 clears grad_dtype for the backward, so the fused kernel's fp32 weight gradient is
+    # reduced as it is; earlier releases cast it to bf16 first (ReleaseTraits.defers_grad_upcast).
+    report = _grad_dtype_report(None)
+    assert report.ok, report.format()
+    # Negative control: the other release's rule puts the norm's and the scale's gradients off
+    # by a bf16 rounding, while the twice-used and the tied weights (summed in bf16 either way)
+    # still agree.
+    flipped = _grad_dtype_report(not release_traits().defers_grad_upcast)
+    assert not flipped.ok
+    grads = {p.fqn: p.grad for p in flipped.params}
+    off = {fqn for fqn, grad in grads.items() if grad is not None and not grad.bitwise}
+    assert off == {"norm.weight", "scale"}, flipped.format()
 
 
 CASES = collect_cases(globals())

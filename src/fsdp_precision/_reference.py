@@ -3,7 +3,10 @@
 It emulates exactly what FSDP does to numerics (see :mod:`fsdp_precision._verify`): parameters
 cast to their planned compute dtype with storage-dtype masters for the optimizer, each unit's
 inputs cast to its ``param_dtype`` and outputs to its ``output_dtype``, grad-requiring inputs
-through an identity autograd node, and gradients through the unit's ``reduce_dtype``.
+through an identity autograd node, and gradients through the unit's ``reduce_dtype``. Where the
+release defers the gradient upcast to the reduce-scatter (2.15, ``defers_grad_upcast``), the
+compute-dtype parameters it concerns carry no ``grad_dtype``, as FSDP's unsharded ones do in
+backward, so their gradients keep the dtype autograd produces.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fsdp_precision._patch import release_traits
 from fsdp_precision._records import PlannedParam, PrecisionPlan
 
 __all__ = ["Reference", "planned_params"]
@@ -71,6 +75,27 @@ def _post_forward(output_dtype: torch.dtype) -> Callable[..., Any]:
     return hook
 
 
+def _defer_grad_upcast(module: nn.Module, plan: PrecisionPlan) -> None:
+    """Clear ``grad_dtype`` where torch 2.15's ``pre_backward`` does: on each trainable
+    floating parameter whose FSDP gradient dtype (the unit's ``reduce_dtype``, else its storage
+    dtype) is wider than its compute dtype. Autograd then leaves its gradient in the dtype the
+    backward produced instead of casting it to the compute dtype."""
+    wider: set[str] = set()
+    for unit in plan.units:
+        for p in unit.params:
+            grad_dtype = unit.policy.reduce_dtype or p.storage
+            if (
+                p.reduce is not None
+                and p.compute.is_floating_point
+                and grad_dtype.is_floating_point
+                and grad_dtype.itemsize > p.compute.itemsize
+            ):
+                wider.update((p.fqn, *p.aliases))
+    for fqn, param in module.named_parameters():
+        if fqn in wider:
+            param.grad_dtype = None
+
+
 def planned_params(plan: PrecisionPlan) -> dict[str, PlannedParam]:
     """Every FQN (aliases included) -> its planned parameter."""
     out: dict[str, PlannedParam] = {}
@@ -103,6 +128,8 @@ class Reference:
                 compute = planned[fqn].compute
                 if param.dtype != compute:
                     param.data = param.data.to(compute)
+        if release_traits().defers_grad_upcast:
+            _defer_grad_upcast(self.module, plan)
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         for unit in plan.units:
             policy = unit.policy

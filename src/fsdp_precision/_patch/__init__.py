@@ -40,6 +40,7 @@ __all__ = [
     "apply_param_dtype_map_patch",
     "check_planned_call",
     "is_param_dtype_map_patch_applied",
+    "release_traits",
     "remove_param_dtype_map_patch",
     "torch_release",
 ]
@@ -78,6 +79,16 @@ def _release_module(version: str | None = None) -> ModuleType:
             "or give each fp32 module its own fully_shard unit with param_dtype=None"
         )
     return importlib.import_module(f"{__name__}.{release_module_name(release)}")
+
+
+def release_traits(version: str | None = None) -> ReleaseTraits:
+    """What the installed (or the given) torch release's FSDP2 does differently, as data.
+
+    Reads the release module only (no torch internal is imported, no source is checked); raises
+    :class:`UnsupportedTorchError` for a release without one.
+    """
+    traits: ReleaseTraits = _release_module(version).TRAITS
+    return traits
 
 
 def apply_param_dtype_map_patch() -> None:

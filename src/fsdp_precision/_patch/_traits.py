@@ -51,6 +51,14 @@ class ReleaseTraits:
     #: over the gradient dtypes. torch's ``foreach_reduce`` is then kept, and ``_mp_dtypes`` sets
     #: that group state instead of ``_orig_dtype``.
     mixed_dtype_reduce: bool = False
+    #: 2.15: ``FSDPParamGroup.pre_backward`` clears ``grad_dtype`` on every unsharded parameter
+    #: whose gradient dtype (``unsharded_grad_dtype``: the reduce dtype, else the storage dtype)
+    #: is wider than its compute dtype (``_set_unsharded_grad_dtypes(defer_upcast=True)``). Its
+    #: gradient then keeps the dtype autograd produces (a kernel's fp32 weight gradient stays
+    #: fp32; several uses are summed as autograd sums them) and the reduce-scatter copy-in
+    #: upcasts it. Before 2.15 autograd casts each gradient to the parameter's dtype first. The
+    #: unsharded reference (``_reference``) emulates it; the patch changes nothing here.
+    defers_grad_upcast: bool = False
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):
@@ -62,6 +70,11 @@ class ReleaseTraits:
             raise ValueError(
                 "ReleaseTraits.mixed_dtype_reduce (2.15) needs foreach_reduce_results=7, "
                 f"got {self.foreach_reduce_results!r}"
+            )
+        if self.defers_grad_upcast and not self.mixed_dtype_reduce:
+            raise ValueError(
+                "ReleaseTraits.defers_grad_upcast (2.15) needs mixed_dtype_reduce: only a "
+                "reduce-scatter that takes several gradient dtypes can upcast them itself"
             )
         if not (self.native_override or self.patches_precision):
             raise ValueError(
@@ -151,6 +164,13 @@ MIXED_REDUCE_RELIED_ON: tuple[str, ...] = (
     "torch.distributed._composable_state:_insert_module_state",
 )
 
+#: Relied on where ``defers_grad_upcast`` (2.15): the call that clears ``grad_dtype`` for the
+#: backward (the function it calls, ``_set_unsharded_grad_dtypes``, is hashed with the reduce).
+DEFERRED_UPCAST_RELIED_ON: tuple[str, ...] = (
+    _P + "_fsdp_param_group:FSDPParamGroup.pre_backward",
+    _P + "_fsdp_param_group:FSDPParamGroup._set_unsharded_grad_dtypes",
+)
+
 #: Relied on where ``compiled_autograd_branches`` (2.11): the switch the replacements consult.
 COMPILED_AUTOGRAD_RELIED_ON: tuple[str, ...] = (_P + "_fsdp_common:compiled_autograd_enabled",)
 
@@ -188,4 +208,6 @@ def targets(traits: ReleaseTraits) -> tuple[str, ...]:
         groups.append(COMPILED_AUTOGRAD_RELIED_ON)
     if traits.native_override:
         groups.append(NATIVE_RELIED_ON)
+    if traits.defers_grad_upcast:
+        groups.append(DEFERRED_UPCAST_RELIED_ON)
     return tuple(dict.fromkeys(target for group in groups for target in group))

@@ -21,6 +21,7 @@ TRAITS = ReleaseTraits(
     native_override=True,  # where the native override can express the map
     patches_precision=True,  # where it cannot
     mixed_dtype_reduce=True,
+    defers_grad_upcast=True,
 )
 
 #: SHA-256 of every upstream function the patch replaces or relies on (``targets(TRAITS)``).
@@ -58,4 +59,5 @@ SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_common:_to_dtype_if_needed": "266529c8c622bbfaa02b5028b3367afefd9779abaa1483bdf3c687884605b5d2",
     "torch.distributed._composable_state:_insert_module_state": "8e06113807aa1497fbaf5ed16eb3e13a8a79cb5c5ec6d3587cc59ca80655761a",
     "torch.distributed.fsdp._fully_shard._fsdp_api:MixedPrecisionPolicy._resolve_for_param": "3d420c911b3d5ad69e2eebfeb5764fdd62b3ec2bf237ff841b23ba65f20d8d11",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup.pre_backward": "2bff56b0fbf18f1d839fe703baf2a6ecbaafe3d13b77fc0cdbb1de51db08710c",
 }
