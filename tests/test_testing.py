@@ -11,8 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+import fsdp_precision._compile as compile_module
 import fsdp_precision._reference as reference_module
-from fsdp_precision import ParamDtypeMixedPrecisionPolicy, PrecisionRules, compile_param_dtype_maps
+from fsdp_precision import (
+    ParamDtypeMixedPrecisionPolicy,
+    PrecisionPlan,
+    PrecisionRules,
+    compile_param_dtype_maps,
+)
 from fsdp_precision._patch import release_traits
 from fsdp_precision.testing import GatherProbe, ParityReport, gather_across_ranks, verify_parity
 
@@ -119,36 +125,63 @@ class _GradDtypes(nn.Module):
         return self.head(h)
 
 
-def _grad_dtype_report(defers: bool | None) -> ParityReport:
-    """``verify_parity`` of :class:`_GradDtypes` in bf16 with fp32 gradients; ``defers`` forces
-    the reference's rule for where autograd leaves a gradient (``None``: the release's)."""
-    torch.manual_seed(0)
-    model = _GradDtypes()
-    rules = PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)
-    plan = compile_param_dtype_maps(model, rules, [model])
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    traits = reference_module.release_traits
+def _grad_dtype_report(
+    reduce_dtype: torch.dtype | None,
+    *,
+    defers: bool | None = None,
+    promotes: bool | None = None,
+) -> tuple[PrecisionPlan, ParityReport]:
+    """``verify_parity`` of :class:`_GradDtypes` computing in bf16 (stored in fp32). ``defers``
+    forces the reference's rule for where autograd leaves a gradient, ``promotes`` the plan's
+    reduce dtype for ``reduce_dtype=None`` (``None``: the installed release's rule)."""
+    forced = []
     if defers is not None:
-        reference_module.release_traits = lambda: SimpleNamespace(defers_grad_upcast=defers)
+        forced.append((reference_module, SimpleNamespace(defers_grad_upcast=defers)))
+    if promotes is not None:
+        forced.append((compile_module, SimpleNamespace(mixed_dtype_reduce=promotes)))
+    saved = [(module, module.release_traits) for module, _ in forced]
+    for module, traits in forced:
+        module.release_traits = lambda traits=traits: traits  # type: ignore[misc]
     try:
-        return verify_parity(plan, {"ids": ids})
+        torch.manual_seed(0)
+        model = _GradDtypes()
+        rules = PrecisionRules(param_dtype=bf16, reduce_dtype=reduce_dtype)
+        plan = compile_param_dtype_maps(model, rules, [model])
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+        return plan, verify_parity(plan, {"ids": ids})
     finally:
-        reference_module.release_traits = traits
+        for module, original in saved:
+            module.release_traits = original  # type: ignore[method-assign]
+
+
+def _off(report: ParityReport) -> set[str]:
+    return {p.fqn for p in report.params if p.grad is not None and not p.grad.bitwise}
 
 
 def case_reference_leaves_gradients_where_the_release_does() -> None:
     # 2.15 clears grad_dtype for the backward, so the fused kernel's fp32 weight gradient is
     # reduced as it is; earlier releases cast it to bf16 first (ReleaseTraits.defers_grad_upcast).
-    report = _grad_dtype_report(None)
+    _, report = _grad_dtype_report(fp32)
     assert report.ok, report.format()
     # Negative control: the other release's rule puts the norm's and the scale's gradients off
     # by a bf16 rounding, while the twice-used and the tied weights (summed in bf16 either way)
     # still agree.
-    flipped = _grad_dtype_report(not release_traits().defers_grad_upcast)
-    assert not flipped.ok
-    grads = {p.fqn: p.grad for p in flipped.params}
-    off = {fqn for fqn, grad in grads.items() if grad is not None and not grad.bitwise}
-    assert off == {"norm.weight", "scale"}, flipped.format()
+    _, flipped = _grad_dtype_report(fp32, defers=not release_traits().defers_grad_upcast)
+    assert _off(flipped) == {"norm.weight", "scale"}, flipped.format()
+
+
+def case_reduce_dtype_none_is_planned_as_the_release_reduces() -> None:
+    # reduce_dtype=None: 2.15 reduces in the promotion of the gradients' dtypes (fp32 here),
+    # earlier releases in the compute dtype (bf16). The plan says so, and the reference follows.
+    promotes = release_traits().mixed_dtype_reduce
+    plan, report = _grad_dtype_report(None)
+    assert report.ok, report.format()
+    assert {p.reduce for u in plan.units for p in u.params} == {fp32 if promotes else bf16}
+    if promotes:
+        # Negative control (2.15): planned as before 2.15, the norm's and the scale's fp32
+        # gradients, which FSDP reduces unrounded, would be rounded to bf16.
+        _, flipped = _grad_dtype_report(None, promotes=False)
+        assert _off(flipped) == {"norm.weight", "scale"}, flipped.format()
 
 
 CASES = collect_cases(globals())

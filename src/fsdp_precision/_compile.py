@@ -7,8 +7,9 @@ complete (:mod:`fsdp_precision._records`); ``PrecisionPlan.apply`` then makes th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ from fsdp_precision import _hf
 from fsdp_precision._claims import Targets, check_not_degraded, claim_params
 from fsdp_precision._dtypes import dtype_name
 from fsdp_precision._errors import ParamDtypeMapError
+from fsdp_precision._patch import release_traits
 from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan
 from fsdp_precision._replicated import replicated_params
@@ -237,6 +239,8 @@ def build_units(
                         aliases=tuple(fqns_of[pid][1:]),
                     )
                 )
+        if reduce_dtype is None and release_traits().mixed_dtype_reduce:
+            params = _promoted_reduce(params)
         policy = spec.policy or _policy_for(name, params, keys, rules, maps=maps)
         planned.append(
             PlannedUnit(
@@ -258,6 +262,18 @@ def build_units(
         )
     _check_ties(fqns_of, [[module_names[id(m)] for m in s.modules] for s in specs])
     return tuple(planned)
+
+
+def _promoted_reduce(params: list[PlannedParam]) -> list[PlannedParam]:
+    """torch 2.15's reduce dtype of a unit without ``reduce_dtype``: the promotion of its
+    trainable parameters' gradient dtypes, their storage dtypes (``_get_reduce_dtype``), e.g.
+    fp32 for fp32-stored parameters computing in bf16; before 2.15 it was the compute dtype."""
+    storages = {p.storage for p in params if p.reduce is not None}
+    try:
+        dtype = functools.reduce(torch.promote_types, sorted(storages, key=str))
+    except (TypeError, RuntimeError):  # no trainable parameter; float8 does not promote
+        return params
+    return [replace(p, reduce=dtype) if p.reduce is not None else p for p in params]
 
 
 def _fmt(dtype: torch.dtype | None) -> str:

@@ -183,6 +183,7 @@ class PrecisionRules:
         """One line: the defaults and the rules in precedence order."""
         rules = "; ".join(f"{r} -> {dtype_name(r.dtype)}" for r in self.rules) or "none"
         default = dtype_name(self.param_dtype) if self.param_dtype else "storage dtype"
-        reduce = dtype_name(self.reduce_dtype) if self.reduce_dtype else "compute dtype"
+        # reduce_dtype=None: torch's rule, which 2.15 changed (see _compile._promoted_reduce)
+        reduce = dtype_name(self.reduce_dtype) if self.reduce_dtype else "torch's default"
         hf = ", then model keep-in-fp32 declarations" if self.hf_keep_in_fp32 else ""
         return f"default {default}, reduce {reduce}; rules: {rules}{hf} ({self.strategy})"
