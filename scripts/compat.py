@@ -155,14 +155,13 @@ def prepare_venv(version: str, venv: Path, log: TextIO) -> Path:
         # and the extras that depend on it) ignore the ambient pip configuration (the
         # constraint file itself is left alone).
         env["PIP_CONFIG_FILE"] = "/dev/null"
+    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if current is None or current.split("+")[0] != version:
         torch_env = dict(env)
         if not has_local_wheel(version):
             torch_env["PIP_CONFIG_FILE"] = "/dev/null"  # only on PyPI
-        cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
         if _run(cmd + [f"torch=={version}"], log, env=torch_env) != 0:
             raise RuntimeError(f"pip could not install torch=={version}; see the log")
-    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if _run(cmd + list(TEST_PACKAGES), log) != 0:
         raise RuntimeError("pip could not install the test tools; see the log")
     # The extras, with the installed torch pinned: their dependencies never swap the torch. The

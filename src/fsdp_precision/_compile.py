@@ -191,6 +191,7 @@ def build_units(
     """
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     fqns_of = fqns_by_param(model)
+    promotes_reduce = release_traits().mixed_dtype_reduce  # 2.15: see _promoted_reduce
     unit_of: dict[int, int] = {}
     planned: list[PlannedUnit] = []
     for index, spec in enumerate(specs):
@@ -239,7 +240,7 @@ def build_units(
                         aliases=tuple(fqns_of[pid][1:]),
                     )
                 )
-        if reduce_dtype is None and release_traits().mixed_dtype_reduce:
+        if reduce_dtype is None and promotes_reduce:
             params = _promoted_reduce(params)
         policy = spec.policy or _policy_for(name, params, keys, rules, maps=maps)
         planned.append(
@@ -269,9 +270,11 @@ def _promoted_reduce(params: list[PlannedParam]) -> list[PlannedParam]:
     trainable parameters' gradient dtypes, their storage dtypes (``_get_reduce_dtype``), e.g.
     fp32 for fp32-stored parameters computing in bf16; before 2.15 it was the compute dtype."""
     storages = {p.storage for p in params if p.reduce is not None}
+    if not storages:
+        return params
     try:
-        dtype = functools.reduce(torch.promote_types, sorted(storages, key=str))
-    except (TypeError, RuntimeError):  # no trainable parameter; float8 does not promote
+        dtype = functools.reduce(torch.promote_types, storages)
+    except RuntimeError:  # float8 does not promote (torch's own reduce would fail too)
         return params
     return [replace(p, reduce=dtype) if p.reduce is not None else p for p in params]
 

@@ -123,7 +123,7 @@ def check_planned_call(
     """
     from ._refusals import check_call
 
-    check_call(_release_module().TRAITS, modules, params, policy)
+    check_call(release_traits(), modules, params, policy)
 
 
 def remove_param_dtype_map_patch() -> None:

@@ -94,7 +94,8 @@ def _claim(
 ) -> None:
     """After a successful call: record the model-scoped policy's entries it resolved, and keep
     transformers' output recording of its modules, whose class ``fully_shard`` swaps next (for
-    frameworks that call ``fully_shard`` themselves; ``PrecisionPlan.apply`` does it too)."""
+    frameworks that call ``fully_shard`` themselves; ``PrecisionPlan.apply`` does it only
+    for its unmapped units)."""
     scope = getattr(policy, "scope", None)
     if scope is not None:
         scope.claimed.update(resolved.claims)
