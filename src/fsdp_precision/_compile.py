@@ -24,6 +24,7 @@ from fsdp_precision._policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._records import PlannedParam, PlannedUnit, PrecisionPlan
 from fsdp_precision._replicated import replicated_params
 from fsdp_precision._rules import PrecisionRules, rule_label
+from fsdp_precision._units import block_class_names, resolve_block_classes
 
 __all__ = ["UnitSpec", "build_units", "compile_param_dtype_maps", "default_units"]
 
@@ -44,8 +45,12 @@ class UnitSpec:
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """Every module whose class is in ``model._no_split_modules``, then the root."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    """Every module whose class a ``_no_split_modules`` of the model declares, then the root; the
+    root alone for a model that declares none. Declared names that resolve to no class are
+    named in a warning; none resolving is a ``ValueError`` (see ``resolve_block_classes``)."""
+    if not block_class_names(model):
+        return [model]
+    names = resolve_block_classes(model)
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     return [*blocks, model]
 
@@ -140,9 +145,9 @@ def _replicated(
             raise ParamDtypeMapError(
                 f"0-dim parameter {fqn!r} is replicated, not sharded (torch's fully_shard "
                 f"cannot shard scalars), so it computes in its storage dtype "
-                f"{_fmt(param.dtype)}, but {rule_label(rule)} asks for {_fmt(kept)}: store it "
-                f"in that dtype (e.g. param.data = param.data.to(torch.{dtype_name(kept)})) or "
-                "drop the rule"
+                f"{dtype_name(param.dtype)}, but {rule_label(rule)} asks for {dtype_name(kept)}: "
+                "store it in that dtype (e.g. param.data = "
+                f"param.data.to(torch.{dtype_name(kept)})) or drop the rule"
             )
         planned.append(
             PlannedParam(
@@ -197,52 +202,42 @@ def build_units(
     for index, spec in enumerate(specs):
         mods = spec.modules
         name = ", ".join(module_names[id(m)] or "<root>" for m in mods)
-        keys: dict[str, tuple[torch.dtype | None, str]] = {}
-        params: list[PlannedParam] = []
-        listed: set[int] = set()
-        reduce_dtype = rules.reduce_dtype if spec.policy is None else spec.policy.reduce_dtype
+        # (local name, parameter) of every registration this call manages, aliases included
+        rows: list[tuple[str, nn.Parameter]] = []
         for m in mods:
             for local, param in m.named_parameters(remove_duplicate=False):
-                pid = id(param)
                 if param.dim() == 0:  # replicated, in no unit (see _replicated)
                     continue
-                if unit_of.setdefault(pid, index) != index:
-                    continue
-                dtype, rule = targets.get(pid, (None, None))
-                previous = keys.get(local)
-                if previous is not None and previous[0] != dtype and len(mods) > 1:
-                    raise ParamDtypeMapError(
-                        f"grouped unit [{name}] cannot give key {local!r} two dtypes "
-                        f"({_fmt(previous[0])} by {previous[1]}, {_fmt(dtype)} by "
-                        f"{rule_label(rule)}): a grouped fully_shard broadcasts each key to every "
-                        "member. Wrap the members separately, or make the rules agree"
-                    )
-                keys[local] = (dtype, rule_label(rule))
-                if pid in listed:  # an alias inside the same unit
-                    continue
-                listed.add(pid)
-                storage = param.dtype
-                default = rules.param_dtype if spec.policy is None else spec.policy.param_dtype
-                compute = (
-                    (dtype if spec.policy is None else None)
-                    or (default if storage.is_floating_point else None)
-                    or storage
+                if unit_of.setdefault(id(param), index) == index:
+                    rows.append((local, param))
+        entries = _entries(rows, targets, rules, spec)
+        _check_grouped_keys(name, rows, entries, targets, rules, spec, grouped=len(mods) > 1)
+        reduce_dtype = rules.reduce_dtype if spec.policy is None else spec.policy.reduce_dtype
+        params: list[PlannedParam] = []
+        mapped: dict[str, torch.dtype] = {}  # the call's map: one canonical key per parameter
+        for local, param in rows:
+            pid = id(param)
+            if any(p.fqn == fqns_of[pid][0] for p in params):
+                continue  # an alias inside the same unit
+            compute = entries.get(pid) or _unmapped(param, rules, spec)
+            if pid in entries:
+                mapped[local] = entries[pid]
+            params.append(
+                PlannedParam(
+                    fqn=fqns_of[pid][0],
+                    key=local,
+                    shape=tuple(param.shape),
+                    storage=param.dtype,
+                    compute=compute,
+                    reduce=(reduce_dtype or compute) if param.requires_grad else None,
+                    claimed_by=targets.get(pid, (None, None))[1],
+                    aliases=tuple(fqns_of[pid][1:]),
+                    mapped=pid in entries,
                 )
-                params.append(
-                    PlannedParam(
-                        fqn=fqns_of[pid][0],
-                        key=local,
-                        shape=tuple(param.shape),
-                        storage=storage,
-                        compute=compute,
-                        reduce=(reduce_dtype or compute) if param.requires_grad else None,
-                        claimed_by=rule,
-                        aliases=tuple(fqns_of[pid][1:]),
-                    )
-                )
+            )
         if reduce_dtype is None and promotes_reduce:
             params = _promoted_reduce(params)
-        policy = spec.policy or _policy_for(name, params, keys, rules, maps=maps)
+        policy = spec.policy or _policy_for(name, params, mapped, rules, maps=maps)
         planned.append(
             PlannedUnit(
                 name=name,
@@ -265,6 +260,74 @@ def build_units(
     return tuple(planned)
 
 
+def _unmapped(param: nn.Parameter, rules: PrecisionRules, spec: UnitSpec) -> torch.dtype:
+    """The dtype a call computes ``param`` in without a map entry: the policy's ``param_dtype``
+    for a floating parameter (its storage dtype for ``None``), else its storage dtype."""
+    default = rules.param_dtype if spec.policy is None else spec.policy.param_dtype
+    return (default if param.dtype.is_floating_point else None) or param.dtype
+
+
+def _entries(
+    rows: Sequence[tuple[str, nn.Parameter]],
+    targets: Targets,
+    rules: PrecisionRules,
+    spec: UnitSpec,
+) -> dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` of the call's map entries (none for a separate unit's spec).
+
+    A rule asking for the dtype the call computes its parameter in anyway needs no entry, and a
+    map left empty takes torch's exact path (``explain()`` still shows the rule). Except in a call
+    whose trainable parameters mix storage dtypes: torch's path refuses such a unit ("FSDP
+    expects uniform original parameter dtype"), so every claimed parameter keeps its entry and
+    the unit is a mapped one.
+    """
+    if spec.policy is not None:
+        return {}
+    trainable = {p.dtype for _, p in rows if p.requires_grad and p.dtype.is_floating_point}
+    mixed = len(trainable) > 1
+    entries: dict[int, torch.dtype] = {}
+    for _, param in rows:
+        dtype = targets.get(id(param), (None, None))[0]
+        if dtype is not None and (mixed or dtype != _unmapped(param, rules, spec)):
+            entries[id(param)] = dtype
+    return entries
+
+
+def _check_grouped_keys(
+    name: str,
+    rows: Sequence[tuple[str, nn.Parameter]],
+    entries: dict[int, torch.dtype],
+    targets: Targets,
+    rules: PrecisionRules,
+    spec: UnitSpec,
+    *,
+    grouped: bool,
+) -> None:
+    """A grouped ``fully_shard`` broadcasts each key to every member that has the name: a key
+    may not reach a parameter that computes in another dtype."""
+    if not grouped:
+        return
+    by_key: dict[str, list[nn.Parameter]] = {}
+    for local, param in rows:
+        by_key.setdefault(local, []).append(param)
+    for local, same in by_key.items():
+        if not any(id(p) in entries for p in same):
+            continue
+        computes = [(entries.get(id(p)) or _unmapped(p, rules, spec), p) for p in same]
+        if len({dtype for dtype, _ in computes}) > 1:
+            (d1, p1), (d2, p2) = computes[0], next(c for c in computes if c[0] != computes[0][0])
+            raise ParamDtypeMapError(
+                f"grouped unit [{name}] cannot give key {local!r} two dtypes "
+                f"({dtype_name(d1)} by {_label(targets, p1)}, {dtype_name(d2)} by "
+                f"{_label(targets, p2)}): a grouped fully_shard broadcasts each key to every "
+                "member. Wrap the members separately, or make the rules agree"
+            )
+
+
+def _label(targets: Targets, param: nn.Parameter) -> str:
+    return rule_label(targets.get(id(param), (None, None))[1])
+
+
 def _promoted_reduce(params: list[PlannedParam]) -> list[PlannedParam]:
     """torch 2.15's reduce dtype of a unit without ``reduce_dtype``: the promotion of its
     trainable parameters' gradient dtypes, their storage dtypes (``_get_reduce_dtype``), e.g.
@@ -279,10 +342,6 @@ def _promoted_reduce(params: list[PlannedParam]) -> list[PlannedParam]:
     return [replace(p, reduce=dtype) if p.reduce is not None else p for p in params]
 
 
-def _fmt(dtype: torch.dtype | None) -> str:
-    return dtype_name(dtype) if dtype is not None else "the default"
-
-
 def _majority_dtype(model: nn.Module) -> torch.dtype:
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
@@ -294,17 +353,16 @@ def _majority_dtype(model: nn.Module) -> torch.dtype:
 def _policy_for(
     name: str,
     params: Sequence[PlannedParam],
-    keys: dict[str, tuple[torch.dtype | None, str]],
+    mapped: dict[str, torch.dtype],
     rules: PrecisionRules,
     *,
     maps: bool,
 ) -> MixedPrecisionPolicy:
-    # A unit whose every parameter is kept (e.g. a norm or an embedder that the size rule made
-    # its own unit) must not cast its inputs to param_dtype: that would move the activation
-    # boundary and lose exactly the precision the rules keep.
-    all_kept = bool(params) and all(p.kept for p in params)
-    cast = rules.cast_forward_inputs and not all_kept
-    mapped = {k: d for k, (d, _) in keys.items() if d is not None}
+    # A unit whose every parameter computes in a mapped dtype (e.g. a norm or an embedder that
+    # the size rule made its own unit) must not cast its inputs to param_dtype: that would move
+    # the activation boundary and lose exactly the precision the rules keep.
+    all_mapped = bool(params) and len(mapped) == len(params)
+    cast = rules.cast_forward_inputs and not all_mapped
     if not maps or not mapped:
         return MixedPrecisionPolicy(
             param_dtype=rules.param_dtype,

@@ -70,19 +70,24 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             float32, float64). No wildcards: compile patterns with the rules layer. An empty map
             takes exactly the upstream path. On torch 2.15 a map that torch's native
             ``param_dtype_override_fn`` can express runs through it; the rest through the
-            patch, as on 2.11-2.14 (docs/compatibility.md). (Default: ``{}``)
+            patch, as on 2.11-2.14 (docs/compatibility.md). ``None`` means ``{}``. Every entry
+            is honoured as given, one naming the dtype its parameter computes in anyway
+            included (it pins that dtype; compiled plans leave such entries out). A call that
+            manages no parameter maps nothing, whatever its map. (Default: ``{}``)
 
     On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
     combined with a non-empty ``param_dtype_map``.
     """
 
-    param_dtype_map: Mapping[str, torch.dtype] = field(default_factory=dict)
+    param_dtype_map: Mapping[str, torch.dtype] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:  # torch 2.15 validates its own fields
             parent_post_init()
         raw = self.param_dtype_map
+        if raw is None:  # Miles' default: no map
+            raw = {}
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"param_dtype_map must be a mapping of parameter FQN to torch.dtype, got "

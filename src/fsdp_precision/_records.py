@@ -37,6 +37,9 @@ class PlannedParam:
         claimed_by: The rule object that claimed it (a ``Glob``, a ``ModuleClass`` or a model
             declaration), ``None`` when no rule did. Compare by identity. (Default: ``None``)
         aliases: Other FQNs of the same (tied) parameter. (Default: ``()``)
+        mapped: Its unit's exact map has an entry for it: a rule claimed it for a dtype the
+            unit would not compute it in otherwise, or the unit mixes trainable storage dtypes
+            (which only a mapped unit can). (Default: ``False``)
     """
 
     fqn: str
@@ -47,6 +50,7 @@ class PlannedParam:
     reduce: torch.dtype | None
     claimed_by: AnyRule | None = None
     aliases: tuple[str, ...] = ()
+    mapped: bool = False
 
     @property
     def kept(self) -> bool:
@@ -97,7 +101,7 @@ class PlannedUnit:
         """The exact map of the call (empty for a plain ``MixedPrecisionPolicy``)."""
         policy = self.policy
         if isinstance(policy, ParamDtypeMixedPrecisionPolicy):
-            return dict(policy.param_dtype_map)
+            return dict(policy.param_dtype_map or {})
         return {}
 
     def gather_bytes(self, world_size: int = 1) -> dict[str, int]:

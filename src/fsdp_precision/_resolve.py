@@ -6,6 +6,7 @@ Pure public torch: runs before anything is sharded, so a rejected map leaves the
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from ._errors import ParamDtypeMapError
 from ._policy import ParamDtypeMixedPrecisionPolicy
 
 __all__ = ["ResolvedMap", "resolve_param_dtype_map"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,13 @@ def resolve_param_dtype_map(
     """
     if getattr(policy, "scope", None) is not None:  # a model_policy: by slot, not by key
         return _resolve_scoped(modules, params, policy)
+    if not params:  # Miles passes one policy to every call: nothing to map here
+        logger.debug(
+            "fully_shard(%s) manages no parameter: its param_dtype_map (%d keys) maps nothing",
+            type(modules[0]).__name__,
+            len(policy.param_dtype_map or {}),
+        )
+        return ResolvedMap(by_param={}, by_slot={}, fqns={})
     managed = {id(p) for p in params}
     fqns: dict[int, list[str]] = {}
     unmanaged: dict[str, torch.Tensor] = {}
@@ -71,7 +81,7 @@ def resolve_param_dtype_map(
             else:
                 unmanaged.setdefault(fqn, param)
 
-    dtype_map = policy.param_dtype_map
+    dtype_map = policy.param_dtype_map or {}
     by_param: dict[int, torch.dtype] = {}
     claimed_by: dict[int, str] = {}
     for key, dtype in dtype_map.items():
@@ -97,7 +107,6 @@ def resolve_param_dtype_map(
 
     _check_trainable(params, fqns)
     _check_reduce_dtype(params, by_param, fqns, policy)
-
     by_slot: dict[tuple[int, str], torch.dtype] = {}
     for module in modules:
         for submodule in module.modules():

@@ -94,18 +94,21 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
             "are a unit layout; plan them with compile_param_dtype_maps(..., strategy='split')"
         )
     plan = compile_param_dtype_maps(model, rules, [model])
-    mapped = plan.units[0].param_dtype_map
-    canonical = {fqn: names[0] for names in fqns_by_param(model).values() for fqn in names}
+    mapped = plan.units[0].param_dtype_map  # one canonical (first) name per parameter
     entries: dict[Slot, tuple[str, torch.dtype]] = {}
-    for fqn, dtype in mapped.items():
-        prefix, _, name = fqn.rpartition(".")
-        owner = model.get_submodule(prefix) if prefix else model
-        entries[(id(owner), name)] = (canonical[fqn], dtype)
+    for names in fqns_by_param(model).values():
+        dtype = mapped.get(names[0])
+        if dtype is None:
+            continue
+        for fqn in names:  # every registration: FSDP records one of them
+            prefix, _, name = fqn.rpartition(".")
+            owner = model.get_submodule(prefix) if prefix else model
+            entries[(id(owner), name)] = (names[0], dtype)
     apply_param_dtype_map_patch()
     return ModelScopedPolicy(
         param_dtype=rules.param_dtype,
         reduce_dtype=rules.reduce_dtype,
-        param_dtype_map={canonical[f]: d for f, d in mapped.items()},
+        param_dtype_map=mapped,
         scope=ModelScope(
             root=id(model),
             model=type(model).__name__,

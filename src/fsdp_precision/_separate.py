@@ -66,7 +66,7 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
     by_name: dict[str, PlannedParam] = {
         f: p for u in plan.units for p in u.params for f in (p.fqn, *p.aliases)
     }
-    kept = {f: p.compute for f, p in by_name.items() if p.kept}
+    kept = {f: p.compute for f, p in by_name.items() if p.mapped}
     owners: dict[str, torch.dtype] = {}  # module FQN -> the dtype its parameters are kept in
     for fqn, dtype in kept.items():
         module = fqn.rpartition(".")[0]

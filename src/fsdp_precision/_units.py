@@ -18,6 +18,7 @@ replicates them (see :mod:`fsdp_precision._replicated`).
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +33,7 @@ __all__ = [
     "WrapPolicy",
     "auto_wrap_units",
     "block_class_names",
+    "resolve_block_classes",
     "choose_units",
 ]
 
@@ -76,23 +78,51 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _check_blocks(model: nn.Module, blocks: Collection[str], given: bool) -> None:
+def resolve_block_classes(model: nn.Module, given: Collection[str] = ()) -> set[str]:
+    """The block class names of ``model`` that name a module of it: ``given``, or the classes
+    its ``_no_split_modules`` declare.
+
+    Given names must all resolve (``ValueError`` with a did-you-mean, as accelerate's
+    ``TRANSFORMER_BASED_WRAP`` refuses them). Of the declared names, the unresolvable ones are
+    named in a warning (composite models often declare the blocks of optional towers); none
+    resolving is a ``ValueError`` naming them and the fix, and so is a model that declares none.
+    """
     present = {type(m).__name__ for m in model.modules()}
-    if not blocks:
-        raise ValueError(
-            f"fsdp_auto_wrap_policy='transformer_block': {type(model).__name__} declares no "
-            "_no_split_modules; name the block classes in fsdp_transformer_block_classes, "
-            "e.g. ('LlamaDecoderLayer',), or use fsdp_auto_wrap_policy='size'"
-        )
+    kind = type(model).__name__
     if given:
-        for name in blocks:
+        for name in given:
             if name not in present:
                 close = difflib.get_close_matches(name, sorted(present), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(
-                    f"fsdp_transformer_block_classes names {name!r}, which no module of "
-                    f"{type(model).__name__} is{hint}; use class names of its blocks"
+                    f"fsdp_transformer_block_classes names {name!r}, which no module of {kind} "
+                    f"is{hint}; use class names of its blocks"
                 )
+        return set(given)
+    declared = block_class_names(model)
+    if not declared:
+        raise ValueError(
+            f"fsdp_auto_wrap_policy='transformer_block': {kind} declares no _no_split_modules; "
+            "name the block classes in fsdp_transformer_block_classes, e.g. "
+            "('LlamaDecoderLayer',), or use fsdp_auto_wrap_policy='size'"
+        )
+    resolved = declared & present
+    unresolved = sorted(declared - present)
+    if not resolved:
+        raise ValueError(
+            f"{kind} declares the blocks {unresolved} in _no_split_modules, but none of them is "
+            "the class of one of its modules, so no block would be a unit (the root alone would "
+            "gather the whole model); name the block classes in fsdp_transformer_block_classes "
+            "(as type(module).__name__ spells them) or use fsdp_auto_wrap_policy='size'"
+        )
+    if unresolved:
+        warnings.warn(
+            f"{kind} declares blocks in _no_split_modules that are the class of none of its "
+            f"modules: {unresolved}; the units are the blocks that are: {sorted(resolved)}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return resolved
 
 
 def choose_units(
@@ -116,9 +146,9 @@ def choose_units(
     if policy not in ("size", "transformer_block"):
         raise ValueError(f"policy is {policy!r}; use 'size' or 'transformer_block'")
     no_split = block_class_names(model)
-    blocks = set(block_classes) or no_split
+    blocks: set[str] = set()
     if policy == "transformer_block":
-        _check_blocks(model, blocks, bool(block_classes))
+        blocks = resolve_block_classes(model, block_classes)
     usage = usage if usage is not None else param_usage(model)
     module_names = {id(m): (n or "<root>") for n, m in model.named_modules()}
     param_names = {id(p): n for n, p in model.named_parameters()}

@@ -36,7 +36,8 @@ def keep_in_fp32_declarations(model: nn.Module, dtype: torch.dtype) -> list[Decl
 
 
 def kept_fqns(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    """FQNs of every parameter and floating buffer kept in fp32 at ``dtype``, aliases included."""
+    """FQNs of every parameter and persistent floating buffer kept in fp32 at ``dtype``, aliases
+    included."""
     kept: set[str] = set()
     for d in declarations(model, dtype):
         kept |= d.params | d.buffers
@@ -56,12 +57,15 @@ def kept_fqns(model: nn.Module, dtype: torch.dtype) -> set[str]:
 
 @torch.no_grad()
 def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to ``dtype``, keeping declared ones in fp32.
+    """Give ``model`` the storage ``from_pretrained(dtype=dtype)`` produces, tensor by tensor.
 
-    Unlike ``model.to(dtype)``, which undoes keep-in-fp32 declarations, this leaves every
-    matched parameter, every matched floating buffer and every alias of a tied kept tensor in
-    fp32: the storage ``from_pretrained(dtype=dtype)`` produces. In place; returns ``model``.
-    Tied tensors stay tied (each tensor is cast once, through its module attribute).
+    Floating parameters and persistent buffers are cast to ``dtype``, except the declared ones,
+    which stay in fp32 with every alias of a tied kept tensor (unlike ``model.to(dtype)``, which
+    undoes the declarations). Non-persistent buffers keep their dtype: ``from_pretrained`` never
+    loads them (rotary ``inv_freq`` stays fp32). Declarations follow the installed library,
+    through wrappers (a ``PeftModel``) and tie targets (see :mod:`fsdp_precision._hf`). In place;
+    returns ``model``. Tied tensors stay tied (each tensor is cast once, through its module
+    attribute).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -73,6 +77,8 @@ def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             for name, tensor in list(store.items()):
                 if tensor is None or not tensor.is_floating_point():
                     continue
+                if store is module._buffers and name in module._non_persistent_buffers_set:
+                    continue  # never loaded by from_pretrained: it keeps its dtype
                 if id(tensor) in done:
                     store[name] = done[id(tensor)]
                     continue

@@ -65,12 +65,16 @@ def init_param_group(
     release = _install.traits()
     try:
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
-        native = uses_native(release, params, resolved, mp_policy)
+        native = bool(resolved.by_param) and uses_native(release, params, resolved, mp_policy)
         if not native and not release.keeps_requires_grad:
             check_manageable(params, resolved.fqns)
     except ParamDtypeMapError:
         undo_state_init(state, modules)
         raise
+    if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
+        original(state, params, modules, *args, **kwargs)
+        _claim(mp_policy, resolved, modules)
+        return None
     if native:
         args, kwargs = rebind_mp_policy(args, kwargs, _native.native_policy(mp_policy, resolved))
         original(state, params, modules, *args, **kwargs)

@@ -263,8 +263,11 @@ def _copy_in(
     column = 0
     for start, stop in _runs([g.dtype for g in grads]):
         width = sum(columns[start:stop])
-        out = rows if (start, stop) == (0, len(grads)) else rows[:, column : column + width]
-        torch.ops.fsdp.chunk_cat(grads[start:stop], dim=0, num_chunks=world_size, out=out)
+        # A 0-size gradient has no columns; chunk_cat refuses empty tensors, so it is left out.
+        run = [g for g in grads[start:stop] if g.numel()]
+        if run:
+            out = rows if width == rows.size(1) else rows[:, column : column + width]
+            torch.ops.fsdp.chunk_cat(run, dim=0, num_chunks=world_size, out=out)
         column += width
 
 

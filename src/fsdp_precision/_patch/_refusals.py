@@ -26,7 +26,7 @@ __all__ = ["check_call", "check_manageable", "has_map", "uses_native"]
 
 def has_map(policy: MixedPrecisionPolicy) -> bool:
     """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
-    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and len(policy.param_dtype_map) > 0
+    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and bool(policy.param_dtype_map)
 
 
 def check_manageable(params: Sequence[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
@@ -72,7 +72,7 @@ def check_call(
     if has_map(policy):
         assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)
         resolved = resolve_param_dtype_map(modules, params, policy)
-        if uses_native(release, params, resolved, policy):
+        if resolved.by_param and uses_native(release, params, resolved, policy):
             return
     if not release.keeps_requires_grad:
         fqns: dict[int, tuple[str, ...]] = {}
