@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
 from fsdp_precision import hf
@@ -85,9 +86,12 @@ def test_peft_layers_are_seen_through_and_adapters_are_never_declared(case: str)
 
 
 @pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("entry", ["wrap_model_for_training", "model_policy"])
 @pytest.mark.parametrize("how", ["bare", "wrapper", "peft"])
 @pytest.mark.parametrize("case", WRAPPED)
-def test_wrapped_models_gather_their_kept_parameters_in_fp32(case: str, how: str) -> None:
+def test_wrapped_models_gather_their_kept_parameters_in_fp32(
+    case: str, how: str, entry: str
+) -> None:
     """The bare model is the control: a wrapper or a PeftModel must not change what is kept."""
     build, dtype, targets, kept = WRAPPED[case]
     model = hf.cast_keeping_fp32(build(), dtype)  # what from_pretrained(dtype=...) stores
@@ -98,7 +102,13 @@ def test_wrapped_models_gather_their_kept_parameters_in_fp32(case: str, how: str
     root = wrapped(model)
     preset = "fp16" if dtype == fp16 else "bf16"
     config = fp.DistributedConfig(fsdp_mixed_precision=preset, fsdp_auto_wrap_min_params=0)
-    fp.wrap_model_for_training(root, config)
+    if entry == "wrap_model_for_training":
+        fp.wrap_model_for_training(root, config)
+    else:  # as a framework calling fully_shard itself would: blocks, then the root
+        policy = fp.model_policy(root, config.precision())
+        for block in fp.default_units(root)[:-1]:  # the _no_split_modules blocks
+            fully_shard(block, mp_policy=policy)
+        fully_shard(root, mp_policy=policy)
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(0))
     with GatherProbe(root) as probe:
         root(input_ids=ids, labels=ids)
