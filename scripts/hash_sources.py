@@ -4,7 +4,7 @@
     python scripts/hash_sources.py --check          # exit 1 unless the release module agrees
     python scripts/hash_sources.py --traits-of 2.14 # a new release: hash what 2.14's traits need
 
-The functions hashed follow the release's ``TRAITS`` (``fsdp_precision._patch._traits.targets``).
+The functions hashed follow the release's ``TRAITS`` (``fsdp_precision._releases.traits.targets``).
 Run it in a venv holding the torch release the module is for (see scripts/compat.py), then paste
 the table into ``src/fsdp_precision/_patch/v2_NN.py``.
 """
@@ -26,8 +26,8 @@ from fsdp_precision._patch import (  # noqa: E402
     release_module_name,
     torch_release,
 )
-from fsdp_precision._patch._sources import resolve, source_sha256  # noqa: E402
-from fsdp_precision._patch._traits import targets  # noqa: E402
+from fsdp_precision._base.sources import lookup, source_sha256  # noqa: E402
+from fsdp_precision._releases.traits import targets  # noqa: E402
 
 
 def _release_module(release: str) -> ModuleType:
@@ -36,7 +36,7 @@ def _release_module(release: str) -> ModuleType:
 
 def _hash(target: str) -> str:
     try:
-        return source_sha256(resolve(target))
+        return source_sha256(lookup(target))
     except (ImportError, AttributeError, OSError, TypeError) as exc:
         return f"<missing: {exc}>"
 

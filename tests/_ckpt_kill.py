@@ -23,7 +23,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 
 import fsdp_precision as fp
 from fsdp_precision import _checkpoint
-from fsdp_precision._checkpoint import _metadata
+from fsdp_precision._train.checkpoint import _metadata
 
 sys.path.insert(0, str(Path(__file__).parent))
 

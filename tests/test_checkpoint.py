@@ -40,7 +40,7 @@ from fsdp_precision import (
     read_checkpoint_metadata,
     save_checkpoint,
 )
-from fsdp_precision._checkpoint import METADATA_FILE
+from fsdp_precision._train.checkpoint import METADATA_FILE
 from test_parity import wrap_mapped
 
 from _harness import check, run_cases

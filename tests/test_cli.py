@@ -137,7 +137,7 @@ def test_demo_names_a_kept_module_that_does_not_cast_its_inputs() -> None:
 
 
 def _resume_result(*, nproc: int, resume_nproc: int, losses, expected, differ):
-    from fsdp_precision._demo_results import ResumeResult
+    from fsdp_precision._cli.demo.results import ResumeResult
 
     return ResumeResult(
         world_size=resume_nproc, checkpoint_step=2, checkpoint_world_size=nproc,
@@ -254,7 +254,7 @@ def test_plan_json_for_t5_and_gpt_oss_at_fp16(
     ],
 )
 def test_demo_options_are_validated_on_construction(kwargs: dict[str, Any], message: str) -> None:
-    from fsdp_precision._cli._demo import DemoOptions
+    from fsdp_precision._cli.demo.command import DemoOptions
 
     with pytest.raises(ValueError, match=message):
         DemoOptions(**{"model": "builtin", **kwargs})

@@ -105,12 +105,12 @@ def test_plan_and_verify_options_are_validated_on_construction(build: Any, messa
 
 
 def _verify_options(**kwargs: Any) -> Any:
-    from fsdp_precision._cli._verify_cmd import VerifyOptions
+    from fsdp_precision._cli.verify import VerifyOptions
 
     return VerifyOptions(model="hf:llama", **kwargs)
 
 
 def _plan_options(**kwargs: Any) -> Any:
-    from fsdp_precision._cli._plan_cmd import PlanOptions
+    from fsdp_precision._cli.plan import PlanOptions
 
     return PlanOptions(model="hf:llama", **kwargs)

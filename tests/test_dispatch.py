@@ -25,8 +25,8 @@ from fsdp_precision._patch import (
     v2_14,
     v2_15,
 )
-from fsdp_precision._patch._sources import resolve, source_sha256, verify_sources
-from fsdp_precision._patch._traits import CONSTRUCTION_REPLACED, ReleaseTraits, targets
+from fsdp_precision._base.sources import lookup, source_sha256, verify_sources
+from fsdp_precision._releases.traits import CONSTRUCTION_REPLACED, ReleaseTraits, targets
 
 RELEASE_MODULES = [v2_11, v2_12, v2_13, v2_14, v2_15]
 SUPPORTED = r"2\.11, 2\.12, 2\.13, 2\.14, 2\.15"  # what the error must name, in order
@@ -80,7 +80,7 @@ def test_supported_release_module_matches_installed_sources(
     module = _release_module()
     assert list(module.SOURCES) == list(targets(module.TRAITS))
     for target, sha in module.SOURCES.items():
-        assert source_sha256(resolve(target)) == sha, target
+        assert source_sha256(lookup(target)) == sha, target
 
 
 def test_every_supported_release_has_a_module() -> None:
@@ -174,7 +174,7 @@ def test_import_touches_no_release_module() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('fsdp_precision._patch.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['fsdp_precision._patch._sources']"
+    assert out.stdout.strip() == "['fsdp_precision._base.sources']"
 
 
 def _changed_init_dtype_attrs(self, mp_policy):  # a "new upstream release" of the function

@@ -152,7 +152,7 @@ def test_unchecked_transformers_release_is_refused(monkeypatch: pytest.MonkeyPat
     import importlib
 
     from fsdp_precision import PatchIntegrityError
-    from fsdp_precision._hf_native import CHECKED
+    from fsdp_precision._train.transformers_native import CHECKED
 
     live = importlib.import_module("transformers")  # the module the opt-in reads (sys.modules)
     monkeypatch.setattr(live, "__version__", "9.9.9")

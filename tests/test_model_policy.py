@@ -114,7 +114,7 @@ def case_grouped_call_never_broadcasts_to_a_sibling() -> None:
     seen = gathered(model)
     assert seen["norm.weight"] == fp32 and seen["head.weight"] == bf16, seen
     # Negative control: a per-call map's key reaches every member of a grouped call.
-    from fsdp_precision._resolve import resolve_param_dtype_map
+    from fsdp_precision._policy.resolve import resolve_param_dtype_map
 
     plain = net()
     broadcast = ParamDtypeMixedPrecisionPolicy(
@@ -176,7 +176,7 @@ def case_never_claimed_entries_are_an_error_at_the_root() -> None:
     with pytest.raises(ParamDtypeMapError) as error:
         fully_shard(model, mp_policy=policy)
     assert str(error.value) == (
-        "model_policy entries of Net were claimed by no fully_shard call by the time the root "
+        "model_policy entries of Net were resolved by no fully_shard call by the time the root "
         "was wrapped: 'blocks.0.gate.weight': wrapped by a fully_shard call with another "
         "mp_policy; 'blocks.0.norm.bias': wrapped by a fully_shard call with another mp_policy; "
         "'blocks.0.norm.weight': wrapped by a fully_shard call with another mp_policy. Pass the "

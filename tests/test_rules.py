@@ -175,8 +175,8 @@ def test_claims_are_keyed_by_rule_identity() -> None:
 
 
 def test_report_labels_tell_rules_with_the_same_pattern_apart() -> None:
-    from fsdp_precision._records import RuleClaims
-    from fsdp_precision._report import claim_labels
+    from fsdp_precision._plan.records import RuleClaims
+    from fsdp_precision._plan.report import claim_labels
 
     a, b, c = Glob("x"), Glob("x", fp16), Glob("y")
     claims = [RuleClaims(r, (), declared=False) for r in (a, b, c, a)]
@@ -610,7 +610,7 @@ SEPARATE_PARITY = [
 @pytest.mark.parametrize(("make", "rules", "kept", "dtype"), SEPARATE_PARITY)
 def test_wrap_separate_units_trains_like_the_mapped_plan(make, rules, kept, dtype) -> None:
     from fsdp_precision import testing
-    from fsdp_precision._separate import separate_layout
+    from fsdp_precision._plan.separate import separate_layout
 
     torch.manual_seed(0)
     ours = make()

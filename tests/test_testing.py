@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-import fsdp_precision._compile as compile_module
-import fsdp_precision._reference as reference_module
+import fsdp_precision._plan.compile as compile_module
+import fsdp_precision._verify.reference as reference_module
 from fsdp_precision import (
     ParamDtypeMixedPrecisionPolicy,
     PrecisionPlan,

@@ -1,5 +1,19 @@
 """Exact per-parameter precision for PyTorch FSDP2.
 
+One entry point for each way of calling ``fully_shard``:
+
+- your own calls: :class:`ParamDtypeMixedPrecisionPolicy` (exact FQN maps) after
+  :func:`apply_param_dtype_map_patch`;
+- a framework's calls (accelerate, the HF Trainer, TRL, Lightning, torchtitan):
+  :func:`model_policy`, one policy for every call on a model;
+- a plan of your units: :func:`compile_param_dtype_maps` -> :class:`PrecisionPlan` (``explain()``,
+  ``apply()``), from :class:`PrecisionRules`;
+- units chosen for you: :func:`wrap_model_for_training` with a :class:`DistributedConfig`.
+
+Checkpoints are in :mod:`fsdp_precision.checkpoint`, Hugging Face helpers in
+:mod:`fsdp_precision.hf`, framework seams in :mod:`fsdp_precision.integrations`, and what you
+check your own model with in :mod:`fsdp_precision.testing`.
+
 >>> import torch
 >>> from torch.distributed.fsdp import fully_shard
 >>> from fsdp_precision import ParamDtypeMixedPrecisionPolicy, apply_param_dtype_map_patch
@@ -15,57 +29,42 @@
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
 
-from ._checkpoint import (
-    export_safetensors,
-    load_checkpoint,
-    load_model_state_dict,
-    model_state_dict,
-    read_checkpoint_metadata,
-    save_checkpoint,
-)
-from ._compile import compile_param_dtype_maps, default_units
-from ._config import PRESETS, DistributedConfig
-from ._dtypes import MAPPABLE_DTYPES
-from ._errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    CheckpointWriteError,
+from fsdp_precision._base.dtypes import MAPPABLE_DTYPES
+from fsdp_precision._base.errors import (
     FsdpPrecisionError,
     ParamDtypeMapError,
     PatchIntegrityError,
-    StateDictMismatchError,
     UnitUsageError,
     UnsupportedTorchError,
 )
-from ._patch import (
-    SUPPORTED_RELEASES,
+from fsdp_precision._base.version import __version__
+from fsdp_precision._patch import (
     apply_param_dtype_map_patch,
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
-from ._policy import ParamDtypeMixedPrecisionPolicy
-from ._records import PlannedParam, PlannedUnit, PrecisionPlan
-from ._rules import Glob, ModuleClass, PrecisionRules
-from ._scope import model_policy
-from ._units import auto_wrap_units
-from ._wrap import (
+from fsdp_precision._plan.compile import compile_param_dtype_maps
+from fsdp_precision._plan.model_policy import model_policy
+from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules
+from fsdp_precision._plan.units import auto_wrap_units, default_units
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._releases import SUPPORTED_RELEASES
+from fsdp_precision._train.config import PRESETS, DistributedConfig
+from fsdp_precision._train.wrap import (
     make_grad_scaler,
     plan_model_for_training,
     wrap_model_for_training,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "MAPPABLE_DTYPES",
     "PRESETS",
     "SUPPORTED_RELEASES",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointReadError",
-    "CheckpointWriteError",
     "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
@@ -77,25 +76,50 @@ __all__ = [
     "PlannedUnit",
     "PrecisionPlan",
     "PrecisionRules",
-    "StateDictMismatchError",
     "UnitUsageError",
     "UnsupportedTorchError",
+    "__version__",
     "apply_param_dtype_map_patch",
     "auto_wrap_units",
     "compile_param_dtype_maps",
     "default_units",
-    "export_safetensors",
     "is_param_dtype_map_patch_applied",
-    "load_checkpoint",
-    "load_model_state_dict",
     "make_grad_scaler",
     "model_policy",
-    "model_state_dict",
     "plan_model_for_training",
-    "read_checkpoint_metadata",
     "remove_param_dtype_map_patch",
-    "save_checkpoint",
     "wrap_model_for_training",
 ]
+
+#: Names 0.1 exported here that moved to :mod:`fsdp_precision.checkpoint`; they still work for
+#: this release, with a ``DeprecationWarning`` naming the new spelling.
+_MOVED_TO_CHECKPOINT = (
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "CheckpointWriteError",
+    "StateDictMismatchError",
+    "export_safetensors",
+    "load_checkpoint",
+    "load_model_state_dict",
+    "model_state_dict",
+    "read_checkpoint_metadata",
+    "save_checkpoint",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CHECKPOINT:
+        warnings.warn(
+            f"fsdp_precision.{name} moved: use fsdp_precision.checkpoint.{name} "
+            f"(from fsdp_precision.checkpoint import {name})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from fsdp_precision import checkpoint  # lazy: only for the deprecated spelling
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'fsdp_precision' has no attribute {name!r}")
+
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

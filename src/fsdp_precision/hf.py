@@ -5,20 +5,21 @@
 >>> hf.cast_keeping_fp32(model, torch.bfloat16)          # what from_pretrained(dtype=bf16) keeps
 >>> hf.load_state_dict_aligned(model, state_dict)        # each tensor cast to its destination
 
-The semantics follow the installed library (see :mod:`fsdp_precision._hf`):
-``_keep_in_fp32_modules`` applies at fp16, ``_keep_in_fp32_modules_strict`` at fp16 and bf16,
-Diffusers' ``_keep_in_fp32_modules`` at any low-precision dtype.
+The semantics follow the installed library (see ``docs/rules.md``): ``_keep_in_fp32_modules``
+applies at fp16, ``_keep_in_fp32_modules_strict`` at fp16 and bf16, Diffusers'
+``_keep_in_fp32_modules`` at any low-precision dtype; declarations are read from the library
+model wherever it sits in the module tree and matched on the keys ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-import torch.nn as nn
-
-from fsdp_precision._hf import Declaration, declarations, library_of
+from fsdp_precision._hf.cast import (
+    cast_keeping_fp32,
+    keep_in_fp32_declarations,
+    kept_fqns,
+    load_state_dict_aligned,
+)
+from fsdp_precision._hf.declarations import Declaration, library_of
 
 __all__ = [
     "Declaration",
@@ -28,92 +29,3 @@ __all__ = [
     "library_of",
     "load_state_dict_aligned",
 ]
-
-
-def keep_in_fp32_declarations(model: nn.Module, dtype: torch.dtype) -> list[Declaration]:
-    """The declarations the model's library applies at ``dtype``, each with its exact matches."""
-    return declarations(model, dtype)
-
-
-def kept_fqns(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    """FQNs of every parameter and persistent floating buffer kept in fp32 at ``dtype``, aliases
-    included."""
-    kept: set[str] = set()
-    for d in declarations(model, dtype):
-        kept |= d.params | d.buffers
-    # Every alias of a kept tensor is kept too.
-    tensors: dict[int, list[str]] = {}
-    for name, t in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        if t is not None:
-            tensors.setdefault(id(t), []).append(name)
-    for names in tensors.values():
-        if kept.intersection(names):
-            kept.update(names)
-    return kept
-
-
-@torch.no_grad()
-def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Give ``model`` the storage ``from_pretrained(dtype=dtype)`` produces, tensor by tensor.
-
-    Floating parameters and persistent buffers are cast to ``dtype``, except the declared ones,
-    which stay in fp32 with every alias of a tied kept tensor (unlike ``model.to(dtype)``, which
-    undoes the declarations). Non-persistent buffers keep their dtype: ``from_pretrained`` never
-    loads them (rotary ``inv_freq`` stays fp32). Declarations follow the installed library,
-    through wrappers (a ``PeftModel``) and tie targets (see :mod:`fsdp_precision._hf`). In place;
-    returns ``model``. Tied tensors stay tied (each tensor is cast once, through its module
-    attribute).
-    """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    kept = kept_fqns(model, dtype)
-    done: dict[int, Any] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for store in (module._parameters, module._buffers):
-            for name, tensor in list(store.items()):
-                if tensor is None or not tensor.is_floating_point():
-                    continue
-                if store is module._buffers and name in module._non_persistent_buffers_set:
-                    continue  # never loaded by from_pretrained: it keeps its dtype
-                if id(tensor) in done:
-                    store[name] = done[id(tensor)]
-                    continue
-                want = torch.float32 if prefix + name in kept else dtype
-                if tensor.dtype == want:
-                    done[id(tensor)] = tensor
-                    continue
-                if isinstance(tensor, nn.Parameter):
-                    new: Any = nn.Parameter(tensor.to(want), requires_grad=tensor.requires_grad)
-                else:
-                    new = tensor.to(want)
-                done[id(tensor)] = new
-                store[name] = new
-    return model
-
-
-def load_state_dict_aligned(
-    model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
-) -> Any:
-    """``model.load_state_dict`` with each incoming tensor cast to its destination's dtype.
-
-    The cast happens in a copy (the caller's ``state_dict`` is not modified), ``_metadata`` is
-    kept, and every alias of a tied destination gets the same cast. Returns what
-    ``load_state_dict`` returns.
-    """
-    destinations = dict(model.state_dict(keep_vars=True))
-    aligned: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        dest = destinations.get(key)
-        if isinstance(value, torch.Tensor) and dest is not None and value.dtype != dest.dtype:
-            if value.is_floating_point() and dest.is_floating_point():
-                value = value.to(dest.dtype, copy=True)
-        aligned[key] = value
-    metadata = getattr(state_dict, "_metadata", None)
-    out: Any = type(state_dict)(aligned) if isinstance(state_dict, dict) else aligned
-    if metadata is not None:
-        out._metadata = metadata
-    return model.load_state_dict(out, strict=strict)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from fsdp_precision._base.errors import FsdpPrecisionError
+
 __all__ = ["main"]
 
 
@@ -149,11 +151,11 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fsdp-precision`` console script."""
     args = _parser().parse_args(argv)
-    from fsdp_precision._errors import FsdpPrecisionError
 
     try:
         if args.command == "demo":
-            from ._demo import DemoOptions, run
+            # lazy: each command imports only what it runs
+            from fsdp_precision._cli.demo import DemoOptions, run
 
             opts = DemoOptions(
                 nproc=args.nproc,
@@ -169,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return run(opts)
         if args.command == "plan":
-            from ._plan_cmd import PlanOptions, run_plan
+            # lazy: each command imports only what it runs
+            from fsdp_precision._cli.plan import PlanOptions, run_plan
 
             return run_plan(
                 PlanOptions(
@@ -182,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         if args.command == "verify":
-            from ._verify_cmd import VerifyOptions, run_verify
+            # lazy: each command imports only what it runs
+            from fsdp_precision._cli.verify import VerifyOptions, run_verify
 
             return run_verify(
                 VerifyOptions(

@@ -1,0 +1,194 @@
+"""``fsdp-precision verify MODEL``: parity of a sharded model against its unsharded reference.
+
+The parent process validates everything it can on the meta device (the model, the rules, the
+plan at the requested world size, where the inputs come from), so that mistakes are one-line
+errors before any process starts; then N gloo processes build the model, wrap it and run
+:func:`fsdp_precision.testing.verify_parity`; the parent prints rank 0's report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._base.dist import is_rank0
+from fsdp_precision._base.launch import launch, process_group
+from fsdp_precision._cli.models import is_hf_spec, load_model
+from fsdp_precision._cli.options import precision_rules
+from fsdp_precision._hf.declarations import library_of
+from fsdp_precision._patch import apply_param_dtype_map_patch
+from fsdp_precision._plan.compile import compile_param_dtype_maps
+from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.units import auto_wrap_units, default_units
+from fsdp_precision._verify.parity import verify_parity
+from fsdp_precision._verify.report import ParityReport
+
+__all__ = ["VerifyOptions", "format_report", "make_inputs", "run_verify"]
+
+#: Inputs verify gives a transformers model: ``input_ids`` of this shape (decoder labels of
+#: ``(batch, 6)`` for encoder-decoder models).
+BATCH, SEQ = 2, 8
+_MAX_PROBLEMS = 12  # listed under the table; --json has them all
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    """What ``fsdp-precision verify`` checks."""
+
+    model: str
+    nproc: int = 2
+    precision: str = "bf16"
+    rules: tuple[str, ...] = ()
+    full_size: bool = False
+    min_params: int | None = None
+    seed: int = 0
+    as_json: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
+        if self.min_params is not None and self.min_params < 0:
+            raise ValueError(f"--min-params must be >= 0, got {self.min_params}")
+
+    @property
+    def tiny(self) -> bool:
+        return is_hf_spec(self.model) and not self.full_size
+
+
+# --------------------------------------------------------------------------- model, plan, inputs
+
+
+def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
+    torch.manual_seed(opts.seed)
+    hf = is_hf_spec(opts.model)
+    # fp32 master weights for transformers models (from_config would take the config's dtype);
+    # a module:callable model is used as it is built.
+    model = load_model(
+        opts.model, device=device, tiny=opts.tiny, dtype=torch.float32 if hf else None
+    )
+    rules = precision_rules(opts.precision, opts.rules)
+    if opts.min_params is None:
+        units = default_units(model)
+    else:
+        # The check's own inputs feed the traced forward that keeps units torch cannot run out.
+        inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+        units = auto_wrap_units(model, opts.min_params, example_inputs=inputs)
+    plan = compile_param_dtype_maps(model, rules, units, world_size=opts.nproc)
+    return model, plan
+
+
+def _inputs_source(spec: str, model: nn.Module) -> Any:
+    """The callable that makes inputs: ``model.example_inputs(generator)``, a module-level
+    ``example_inputs(model, generator)`` next to a ``module:callable`` factory, or ``None`` for
+    a transformers model that takes ``input_ids``. Raises ``ValueError`` when there is none."""
+    method = getattr(model, "example_inputs", None)
+    if callable(method):
+        return method
+    if not is_hf_spec(spec):
+        module_name = spec.partition(":")[0]
+        function = getattr(importlib.import_module(module_name), "example_inputs", None)
+        if callable(function):
+            return lambda g: function(model, g)
+    if library_of(model) == "transformers":
+        if "input_ids" in inspect.signature(model.forward).parameters:
+            return None
+        raise ValueError(
+            f"MODEL {spec!r}: {type(model).__name__}.forward takes no input_ids, so verify "
+            "cannot make its inputs; wrap it in a module:callable factory whose model has "
+            "example_inputs(generator) -> dict"
+        )
+    raise ValueError(
+        f"MODEL {spec!r}: verify cannot make inputs for {type(model).__name__}; give the model "
+        "a method example_inputs(self, generator) -> dict of forward keyword arguments, or "
+        "define example_inputs(model, generator) next to the factory (draw only from the "
+        "generator: every rank must get the same inputs)"
+    )
+
+
+def make_inputs(spec: str, model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+    """Forward keyword arguments for ``model`` (identical on every rank for one seed)."""
+    source = _inputs_source(spec, model)
+    if source is not None:
+        inputs = source(generator)
+        if not isinstance(inputs, dict):
+            raise ValueError(
+                f"MODEL {spec!r}: example_inputs returned {type(inputs).__name__}, not a dict of "
+                "forward keyword arguments"
+            )
+        return inputs
+    config: Any = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(text.vocab_size)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    out: dict[str, Any] = {"input_ids": ids}
+    if "labels" in inspect.signature(model.forward).parameters:
+        encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        out["labels"] = (
+            torch.randint(0, vocab, (BATCH, 6), generator=generator) if encoder_decoder else ids
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_verify(opts: VerifyOptions) -> int:
+    """Validate on meta, run the check on ``opts.nproc`` processes, print; 0 ok, 1 mismatch."""
+    model, plan = _build(opts, "meta")  # one-line errors before any process starts
+    _inputs_source(opts.model, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model, plan
+    # The ranks are forked on Linux: they inherit torch and transformers already imported (the
+    # imports take longer than the check). Nothing here has touched CUDA or started threads.
+    method = "fork" if sys.platform == "linux" else "spawn"
+    report = launch(_rank, (opts,), nproc=opts.nproc, start_method=method)
+    if is_rank0():
+        header = {
+            "spec": opts.model,
+            "tiny": opts.tiny,
+            "numel": n_params,
+            "precision": opts.precision,
+            "torch": torch.__version__,
+        }
+        if opts.as_json:
+            print(json.dumps({**header, **report.to_dict()}, indent=2))
+        else:
+            print(format_report(report, header))
+    return 0 if report.ok else 1
+
+
+def _rank(opts: VerifyOptions) -> ParityReport:
+    torch.set_num_threads(1)
+    with process_group("gloo"):
+        apply_param_dtype_map_patch()
+        model, plan = _build(opts, "cpu")
+        inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+        return verify_parity(plan, inputs, seed=opts.seed)
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def format_report(report: ParityReport, header: dict[str, Any]) -> str:
+    """The human report: header, then the report's table and summary line."""
+    world = report.world_size
+    size = "tiny config" if header["tiny"] else "as built"
+    processes = f"{world} process" if world == 1 else f"{world} processes"
+    lines = [
+        f"fsdp-precision verify {header['spec']}: {report.model} ({size}, "
+        f"{header['numel']:,} parameters), {processes} (gloo, CPU), torch {header['torch']}",
+        f"plan: {report.units} FSDP units; {report.rules}",
+        f"step: forward, backward, {report.optimizer} on the same inputs on every rank; "
+        f"loss {report.loss:.6f}, reference {report.reference_loss:.6f} "
+        f"({'bitwise' if report.loss_match else 'DIFFERENT'})",
+        "",
+        report.format(max_problems=_MAX_PROBLEMS, rest="--json lists all"),
+    ]
+    return "\n".join(lines)

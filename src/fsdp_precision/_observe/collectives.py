@@ -1,0 +1,102 @@
+"""Collectives on the wire: every all-gather, reduce-scatter and all-reduce, with dtype and bytes.
+
+Nothing here changes numerics: the recorder wraps ``torch.distributed``'s collective functions
+and forwards every call unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective", "CollectiveRecorder"]
+
+# name in torch.distributed -> (kind, index of the positional arg carrying the input tensor)
+_WRAPPED: dict[str, tuple[str, str]] = {
+    "all_gather_single": ("all_gather", "input_tensor"),
+    "all_gather_into_tensor": ("all_gather", "input_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call as it went to the process group.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        dtype: Dtype on the wire (``torch.uint8`` when FSDP packs mixed dtypes as bytes).
+        input_bytes: Bytes this rank contributed.
+        group_size: Ranks in the group.
+    """
+
+    kind: str
+    dtype: torch.dtype
+    input_bytes: int
+    group_size: int
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes every rank receives (all-gather) or contributes in total (reduce-scatter)."""
+        if self.kind == "all_gather":
+            return self.input_bytes * self.group_size
+        return self.input_bytes
+
+
+@dataclass
+class CollectiveRecorder:
+    """Context manager recording FSDP's collectives by wrapping ``torch.distributed``.
+
+    >>> with CollectiveRecorder() as rec:  # doctest: +SKIP
+    ...     loss = model(x).sum(); loss.backward()
+    >>> rec.count("all_gather")  # doctest: +SKIP
+    """
+
+    calls: list[Collective] = field(default_factory=list)
+    _saved: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
+
+    def _wrap(self, name: str, kind: str, arg: str) -> Callable[..., Any]:
+        original = getattr(dist, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tensor = kwargs.get(arg)
+            if tensor is None:
+                tensor = args[1] if kind != "all_reduce" else args[0]
+            group = kwargs.get("group")
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            self.calls.append(
+                Collective(kind, tensor.dtype, tensor.numel() * tensor.element_size(), size)
+            )
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def __enter__(self) -> CollectiveRecorder:
+        for name, (kind, arg) in _WRAPPED.items():
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, kind, arg))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    def of(self, kind: str) -> list[Collective]:
+        """The recorded calls of one kind, in order."""
+        return [c for c in self.calls if c.kind == kind]
+
+    def count(self, kind: str) -> int:
+        """How many calls of one kind were recorded."""
+        return len(self.of(kind))
+
+    def clear(self) -> None:
+        """Forget what was recorded so far (keep recording)."""
+        self.calls.clear()

@@ -1,0 +1,164 @@
+"""The construction wrap: ``_init_param_group``, where a ``fully_shard`` call meets its map.
+
+On every release the map is resolved against the parameters the call manages before
+``FSDPParamGroup`` shards anything; an error undoes FSDP's state registration, so the call can be
+retried. Then, depending on the installed release's traits:
+
+* ``native_override`` (2.15) and the map is expressible: torch gets a plain
+  ``MixedPrecisionPolicy`` whose ``param_dtype_override_fn`` is the translated map
+  (:mod:`fsdp_precision._policy.native`);
+* otherwise, ``patches_precision`` (2.11-2.15): each ``FSDPParam`` is tagged with its mapped
+  dtype, which the replaced precision machinery (``mp_dtypes``, ``gather``, ``reduce``) reads;
+* neither applies (a release with only ``native_override``; none today): ``ParamDtypeMapError``.
+
+It relies on ``_init_param_group(state, params, modules, mesh_info, post_forward_mesh_info,
+device, shard_placement_fn, mp_policy, offload_policy, ...)`` (the same leading parameters on
+every supported release; 2.12 appended ``reshard_after_forward``) and on the composable-state
+registration ``fully_shard`` does before it (``FSDPState.init``); both are hashed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._hf.recording import keep_output_recording
+from fsdp_precision._patch import registry
+from fsdp_precision._patch.tags import MAPPED_DTYPE_ATTR
+from fsdp_precision._policy.native import native_policy
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._policy.refusals import check_manageable, has_map, uses_native
+from fsdp_precision._policy.resolve import ResolvedMap, resolve_param_dtype_map
+from fsdp_precision._releases.traits import ReleaseTraits
+
+__all__ = ["bind_mp_policy", "init_param_group", "rebind_mp_policy", "undo_state_init"]
+
+logger = logging.getLogger(__name__)
+
+#: Index of ``mp_policy`` in ``_init_param_group``'s positional arguments after
+#: ``(state, params, modules)``: (mesh_info, post_forward_mesh_info, device, shard_placement_fn,
+#: mp_policy, offload_policy[, reshard_after_forward (2.12+)]).
+_MP_POLICY_INDEX = 4
+
+
+def init_param_group(
+    state: Any,
+    params: list[nn.Parameter],
+    modules: tuple[nn.Module, ...],
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """Resolve the map before ``FSDPParamGroup`` shards anything, then hand it to torch."""
+    original = registry.original(_fs, "_init_param_group")
+    mp_policy = bind_mp_policy(args, kwargs)
+    if not has_map(mp_policy):
+        return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
+    assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # has_map
+    release = registry.traits()
+    try:
+        resolved = resolve_param_dtype_map(modules, params, mp_policy)
+        native = bool(resolved.by_param) and uses_native(release, params, resolved, mp_policy)
+        if not native and not release.keeps_requires_grad:
+            check_manageable(params, resolved.fqns)
+    except ParamDtypeMapError:
+        undo_state_init(state, modules)
+        raise
+    if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
+        original(state, params, modules, *args, **kwargs)
+        _after_call(mp_policy, resolved, modules)
+        return None
+    if native:
+        args, kwargs = rebind_mp_policy(args, kwargs, native_policy(mp_policy, resolved))
+        original(state, params, modules, *args, **kwargs)
+        _after_call(mp_policy, resolved, modules)
+        _log_mapped(modules, resolved, "native override")
+        return None
+    before = len(state._fsdp_param_groups) if release.param_group_list else 0
+    original(state, params, modules, *args, **kwargs)
+    for param_group in _new_param_groups(state, before, release):
+        for fsdp_param in param_group.fsdp_params:
+            info = fsdp_param._module_info
+            dtype = resolved.by_slot.get((id(info.module), info.param_name))
+            setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
+    _after_call(mp_policy, resolved, modules)
+    _log_mapped(modules, resolved, "mapped")
+    return None
+
+
+def _after_call(
+    policy: ParamDtypeMixedPrecisionPolicy, resolved: ResolvedMap, modules: Sequence[nn.Module]
+) -> None:
+    """After a successful call: record the model-scoped policy's entries it resolved, and keep
+    transformers' output recording of its modules, whose class ``fully_shard`` swaps next (for
+    frameworks that call ``fully_shard`` themselves; ``PrecisionPlan.apply`` does it only
+    for its unmapped units)."""
+    scope = getattr(policy, "scope", None)
+    if scope is not None:
+        scope.resolved.update(resolved.scope_entries)
+    keep_output_recording(modules)
+
+
+def _new_param_groups(state: Any, before: int, release: ReleaseTraits) -> list[Any]:
+    """The ``FSDPParamGroup``s the original ``_init_param_group`` call just built."""
+    if release.param_group_list:  # 2.12: per-parameter meshes, a list of groups
+        return list(state._fsdp_param_groups[before:])
+    group = state._fsdp_param_group  # 2.11: one group per call
+    return [] if group is None else [group]
+
+
+def _log_mapped(modules: tuple[nn.Module, ...], resolved: ResolvedMap, how: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        mapped = {
+            fqns[0]: dtype_name(resolved.by_param[pid])
+            for pid, fqns in resolved.fqns.items()
+            if pid in resolved.by_param
+        }
+        logger.debug("fully_shard(%s): %s %s", type(modules[0]).__name__, how, mapped)
+
+
+def bind_mp_policy(args: Sequence[Any], kwargs: dict[str, Any]) -> MixedPrecisionPolicy:
+    """``mp_policy`` from ``_init_param_group``'s arguments after ``(state, params, modules)``."""
+    if "mp_policy" in kwargs:
+        return kwargs["mp_policy"]  # type: ignore[no-any-return]
+    return args[_MP_POLICY_INDEX]  # type: ignore[no-any-return]
+
+
+def rebind_mp_policy(
+    args: Sequence[Any], kwargs: dict[str, Any], policy: MixedPrecisionPolicy
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The same arguments with ``mp_policy`` replaced."""
+    if "mp_policy" in kwargs:
+        return tuple(args), {**kwargs, "mp_policy": policy}
+    new_args = list(args)
+    new_args[_MP_POLICY_INDEX] = policy
+    return tuple(new_args), kwargs
+
+
+def undo_state_init(state: Any, modules: tuple[nn.Module, ...]) -> None:
+    """Undo what ``fully_shard`` did before ``_init_param_group``, so the call can be retried.
+
+    Parameters are untouched at this point; only the FSDP state, its registration and the forward
+    hooks that ``FSDPState.init`` added are removed.
+    """
+    for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+        handle = getattr(state, name, None)
+        if handle is not None:
+            handle.remove()
+    for module in modules:
+        _module_state_mapping.pop(module, None)
+        all_state = module.__dict__.get(STATE_KEY)
+        if isinstance(all_state, dict):
+            for func in [f for f in all_state if getattr(f, "__name__", "") == "fully_shard"]:
+                del all_state[func]
+        registry = module.__dict__.get(REGISTRY_KEY)
+        if isinstance(registry, dict):
+            registry.pop("fully_shard", None)

@@ -1,0 +1,264 @@
+"""Build the planned units: which call manages each parameter, in which dtype, with which map.
+
+Shared by the in-unit layout (:func:`fsdp_precision.compile_param_dtype_maps`) and the
+separate-units layout (:mod:`fsdp_precision._plan.separate`), so that both compute every
+parameter from the same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._plan.claims import Claimed, fqns_by_param
+from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+from fsdp_precision._plan.rules import PrecisionRules, rule_label
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._releases import release_traits
+
+__all__ = ["UnitSpec", "build_units"]
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One ``fully_shard`` call to build: its modules and, in the separate-units layout, its
+    policy.
+
+    Attributes:
+        modules: The module(s) passed to ``fully_shard``.
+        policy: ``None`` derives the policy from the rules (an exact map where ``maps``); a
+            policy fixes it (a unit of the separate-units layout). (Default: ``None``)
+        separate_unit: A module holding mapped parameters made its own unit by the
+            separate-units layout. (Default: ``False``)
+    """
+
+    modules: tuple[nn.Module, ...]
+    policy: MixedPrecisionPolicy | None = None
+    separate_unit: bool = False
+
+
+def build_units(
+    model: nn.Module,
+    rules: PrecisionRules,
+    specs: Sequence[UnitSpec],
+    claimed: Claimed,
+    *,
+    maps: bool,
+) -> tuple[PlannedUnit, ...]:
+    """The planned units of ``specs``, in order; each parameter goes to the first that has it.
+
+    A spec without a policy computes claimed parameters in their rules' dtypes and the rest in
+    ``rules.param_dtype``, with an exact map when ``maps``; a spec with a policy computes in its
+    ``param_dtype`` (its storage dtype for ``None``). Raises :class:`ParamDtypeMapError` for
+    parameters no unit owns, ties across units and grouped calls that cannot express their
+    members' dtypes.
+    """
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    fqns_of = fqns_by_param(model)
+    unit_of: dict[int, int] = {}
+    planned: list[PlannedUnit] = []
+    for index, spec in enumerate(specs):
+        # (local name, parameter) of every registration this call manages, aliases included
+        rows: list[tuple[str, nn.Parameter]] = []
+        for m in spec.modules:
+            for local, param in m.named_parameters(remove_duplicate=False):
+                if param.dim() == 0:  # replicated, in no unit (see replicated.py)
+                    continue
+                if unit_of.setdefault(id(param), index) == index:
+                    rows.append((local, param))
+        name = ", ".join(module_names[id(m)] or "<root>" for m in spec.modules)
+        planned.append(_unit(model, name, spec, rows, rules, claimed, fqns_of, maps=maps))
+    scalars = {id(p) for p in model.parameters() if p.dim() == 0}
+    unowned = [f[0] for pid, f in fqns_of.items() if pid not in unit_of and pid not in scalars]
+    if unowned:
+        raise ParamDtypeMapError(
+            f"parameters {unowned[:5]} belong to no planned unit; FSDP would leave them "
+            "unsharded. Put the root module last in units (it owns whatever is left)"
+        )
+    _check_ties(fqns_of, [[module_names[id(m)] for m in s.modules] for s in specs])
+    return tuple(planned)
+
+
+def _unit(
+    model: nn.Module,
+    name: str,
+    spec: UnitSpec,
+    rows: Sequence[tuple[str, nn.Parameter]],
+    rules: PrecisionRules,
+    claimed: Claimed,
+    fqns_of: dict[int, list[str]],
+    *,
+    maps: bool,
+) -> PlannedUnit:
+    entries = _entries(rows, claimed, rules, spec)
+    _check_grouped_keys(name, rows, entries, claimed, rules, spec, grouped=len(spec.modules) > 1)
+    reduce_dtype = rules.reduce_dtype if spec.policy is None else spec.policy.reduce_dtype
+    params: list[PlannedParam] = []
+    mapped: dict[str, torch.dtype] = {}  # the call's map: one canonical key per parameter
+    seen: set[int] = set()
+    for local, param in rows:
+        pid = id(param)
+        if pid in seen:
+            continue  # an alias inside the same unit
+        seen.add(pid)
+        compute = entries.get(pid) or _unmapped(param, rules, spec)
+        if pid in entries:
+            mapped[local] = entries[pid]
+        params.append(
+            PlannedParam(
+                fqn=fqns_of[pid][0],
+                key=local,
+                shape=tuple(param.shape),
+                storage=param.dtype,
+                compute=compute,
+                reduce=(reduce_dtype or compute) if param.requires_grad else None,
+                claimed_by=claimed.get(pid, (None, None))[1],
+                aliases=tuple(fqns_of[pid][1:]),
+                mapped=pid in entries,
+            )
+        )
+    if reduce_dtype is None:  # the release decides (2.15 promotes over the storage dtypes)
+        promoted = release_traits().default_reduce_dtype(p.storage for p in params if p.reduce)
+        if promoted is not None:
+            params = [replace(p, reduce=promoted) if p.reduce else p for p in params]
+    return PlannedUnit(
+        name=name,
+        modules=spec.modules,
+        params=tuple(params),
+        policy=spec.policy or _policy_for(name, params, mapped, rules, maps=maps),
+        is_root=any(m is model for m in spec.modules),
+        separate_unit=spec.separate_unit,
+    )
+
+
+def _unmapped(param: nn.Parameter, rules: PrecisionRules, spec: UnitSpec) -> torch.dtype:
+    """The dtype a call computes ``param`` in without a map entry: the policy's ``param_dtype``
+    for a floating parameter (its storage dtype for ``None``), else its storage dtype."""
+    default = rules.param_dtype if spec.policy is None else spec.policy.param_dtype
+    return (default if param.dtype.is_floating_point else None) or param.dtype
+
+
+def _entries(
+    rows: Sequence[tuple[str, nn.Parameter]],
+    claimed: Claimed,
+    rules: PrecisionRules,
+    spec: UnitSpec,
+) -> dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` of the call's map entries (none for a separate unit's spec).
+
+    A rule asking for the dtype the call computes its parameter in anyway needs no entry, and a
+    map left empty takes torch's exact path (``explain()`` still shows the rule). Except in a call
+    whose trainable parameters mix storage dtypes: torch's path refuses such a unit ("FSDP
+    expects uniform original parameter dtype"), so every claimed parameter keeps its entry and
+    the unit is a mapped one.
+    """
+    if spec.policy is not None:
+        return {}
+    trainable = {p.dtype for _, p in rows if p.requires_grad and p.dtype.is_floating_point}
+    mixed = len(trainable) > 1
+    entries: dict[int, torch.dtype] = {}
+    for _, param in rows:
+        dtype = claimed.get(id(param), (None, None))[0]
+        if dtype is not None and (mixed or dtype != _unmapped(param, rules, spec)):
+            entries[id(param)] = dtype
+    return entries
+
+
+def _check_grouped_keys(
+    name: str,
+    rows: Sequence[tuple[str, nn.Parameter]],
+    entries: dict[int, torch.dtype],
+    claimed: Claimed,
+    rules: PrecisionRules,
+    spec: UnitSpec,
+    *,
+    grouped: bool,
+) -> None:
+    """A grouped ``fully_shard`` broadcasts each key to every member that has the name: a key
+    may not reach a parameter that computes in another dtype."""
+    if not grouped:
+        return
+    by_key: dict[str, list[nn.Parameter]] = {}
+    for local, param in rows:
+        by_key.setdefault(local, []).append(param)
+    for local, same in by_key.items():
+        if not any(id(p) in entries for p in same):
+            continue
+        computes = [(entries.get(id(p)) or _unmapped(p, rules, spec), p) for p in same]
+        if len({dtype for dtype, _ in computes}) > 1:
+            (d1, p1), (d2, p2) = computes[0], next(c for c in computes if c[0] != computes[0][0])
+            raise ParamDtypeMapError(
+                f"grouped unit [{name}] cannot give key {local!r} two dtypes "
+                f"({dtype_name(d1)} by {_label(claimed, p1)}, {dtype_name(d2)} by "
+                f"{_label(claimed, p2)}): a grouped fully_shard broadcasts each key to every "
+                "member. Wrap the members separately, or make the rules agree"
+            )
+
+
+def _label(claimed: Claimed, param: nn.Parameter) -> str:
+    return rule_label(claimed.get(id(param), (None, None))[1])
+
+
+def _policy_for(
+    name: str,
+    params: Sequence[PlannedParam],
+    mapped: dict[str, torch.dtype],
+    rules: PrecisionRules,
+    *,
+    maps: bool,
+) -> MixedPrecisionPolicy:
+    # A unit whose every parameter computes in a mapped dtype (e.g. a norm or an embedder that
+    # the size rule made its own unit) must not cast its inputs to param_dtype: that would move
+    # the activation boundary and lose exactly the precision the rules keep.
+    all_mapped = bool(params) and len(mapped) == len(params)
+    cast = rules.cast_forward_inputs and not all_mapped
+    if not maps or not mapped:
+        return MixedPrecisionPolicy(
+            param_dtype=rules.param_dtype,
+            reduce_dtype=rules.reduce_dtype,
+            output_dtype=rules.output_dtype,
+            cast_forward_inputs=cast,
+        )
+    trainable_dtypes = {p.compute for p in params if p.reduce is not None}
+    if len(trainable_dtypes) > 1 and rules.reduce_dtype is None:
+        raise ParamDtypeMapError(
+            f"unit {name} computes trainable parameters in "
+            f"{sorted(dtype_name(d) for d in trainable_dtypes)} but reduce_dtype is None; set "
+            "PrecisionRules(reduce_dtype=torch.float32)"
+        )
+    return ParamDtypeMixedPrecisionPolicy(
+        param_dtype=rules.param_dtype,
+        reduce_dtype=rules.reduce_dtype,
+        output_dtype=rules.output_dtype,
+        cast_forward_inputs=cast,
+        param_dtype_map=mapped,
+    )
+
+
+def _check_ties(fqns_of: dict[int, list[str]], unit_prefixes: list[list[str]]) -> None:
+    """A tied parameter whose aliases live under different units cannot be sharded by torch."""
+
+    def unit_index(fqn: str) -> int:
+        for i, prefixes in enumerate(unit_prefixes):
+            for prefix in prefixes:
+                if prefix == "" or fqn.startswith(prefix + "."):
+                    return i
+        return len(unit_prefixes)
+
+    for fqns in fqns_of.values():
+        if len(fqns) < 2:
+            continue
+        owners = {unit_index(f) for f in fqns}
+        if len(owners) > 1:
+            raise ParamDtypeMapError(
+                f"tied parameter {fqns[0]!r} (also {', '.join(fqns[1:])}) spans FSDP units "
+                f"{sorted(owners)}; torch cannot shard a parameter shared across units. Put the "
+                "modules that share it in one unit (e.g. leave the embedding and the head in "
+                "the root)"
+            )

@@ -1,0 +1,68 @@
+"""``model_policy``: one policy object for every ``fully_shard`` call a framework makes on a model.
+
+The rules are compiled once, as for a single root unit, into root-relative entries by slot (see
+:mod:`fsdp_precision._policy.scope`, where each call resolves them).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._patch import apply_param_dtype_map_patch
+from fsdp_precision._plan.claims import fqns_by_param
+from fsdp_precision._plan.compile import compile_param_dtype_maps
+from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
+
+__all__ = ["model_policy"]
+
+
+def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrecisionPolicy:
+    """One policy for every ``fully_shard`` call on ``model`` or any of its submodules.
+
+    The rules and the model's keep declarations are compiled once (as for a single root unit:
+    rules that match nothing, shadowed rules and degraded kept parameters are errors here,
+    before anything is wrapped) into root-relative exact entries. Pass the result as
+    ``mp_policy`` to every call, in any order and grouping; each call takes the entries of the
+    parameters it manages. Applies the patch. Once the call that includes ``model`` runs, an
+    entry no call resolved (its parameter ignored, or its module wrapped with another policy)
+    is a :class:`ParamDtypeMapError` naming it.
+
+    Raises ``ValueError`` for the deprecated ``rules.strategy="split"``: separate units are a
+    unit layout, which a policy cannot choose.
+    """
+    if not isinstance(rules, PrecisionRules):
+        raise TypeError(f"rules must be a PrecisionRules, got {type(rules).__name__}")
+    if rules.strategy == "split":
+        raise ValueError(
+            "model_policy cannot plan separate units (PrecisionRules(strategy='split'), "
+            "deprecated): they are a unit layout; plan them with "
+            "compile_param_dtype_maps(..., layout='separate_units')"
+        )
+    plan = compile_param_dtype_maps(model, rules, [model])
+    mapped = plan.units[0].param_dtype_map  # one canonical (first) name per parameter
+    entries: dict[Slot, tuple[str, torch.dtype]] = {}
+    for names in fqns_by_param(model).values():
+        dtype = mapped.get(names[0])
+        if dtype is None:
+            continue
+        for fqn in names:  # every registration: FSDP records one of them
+            prefix, _, name = fqn.rpartition(".")
+            owner = model.get_submodule(prefix) if prefix else model
+            entries[(id(owner), name)] = (names[0], dtype)
+    apply_param_dtype_map_patch()
+    return ModelScopedPolicy(
+        param_dtype=rules.param_dtype,
+        reduce_dtype=rules.reduce_dtype,
+        param_dtype_map=mapped,
+        scope=ModelScope(
+            root=id(model),
+            model=type(model).__name__,
+            entries=entries,
+            modules=weakref.WeakSet(model.modules()),
+        ),
+    )

@@ -1,0 +1,150 @@
+"""The plan: the planned ``fully_shard`` calls of one model, and what can be done with them.
+
+:func:`fsdp_precision.compile_param_dtype_maps` builds it once, complete; applying it
+(:meth:`PrecisionPlan.apply`), checking it before the first call (``preflight``) and reporting
+it (``report``) read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_precision._hf.declarations import Declaration
+from fsdp_precision._hf.recording import keep_output_recording
+from fsdp_precision._patch import apply_param_dtype_map_patch
+from fsdp_precision._plan import cost, preflight, report
+from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
+from fsdp_precision._plan.replicated import average_gradients
+from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._plan.units import UnitChoice
+
+__all__ = ["PrecisionPlan"]
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The compiled plan: units in ``fully_shard`` order (innermost first, root last).
+
+    Attributes:
+        model: The planned model.
+        rules: The rules it was compiled from.
+        units: The planned ``fully_shard`` calls, in order.
+        declarations: The model's keep-in-fp32 declarations that applied.
+        claims: Per rule, in precedence order, what it claimed.
+        world_size: Shards per unit (the shard dimension of the mesh). (Default: ``1``)
+        reshard_after_forward: The ``fully_shard`` knob the counts assume and :meth:`apply`
+            passes. (Default: ``None``, torch's: every unit but the root)
+        hsdp: Units are sharded on a 2-D (replicate, shard) mesh. (Default: ``False``)
+        replicated: 0-dim parameters, in no unit: replicated on every rank, computing in their
+            storage dtype, gradients averaged after backward. (Default: ``()``)
+        unit_choice: How the units were chosen and which selected modules were refused
+            (``plan_model_for_training``). (Default: ``None``, units given by the caller)
+    """
+
+    model: nn.Module
+    rules: PrecisionRules
+    units: tuple[PlannedUnit, ...]
+    declarations: tuple[Declaration, ...]
+    claims: tuple[RuleClaims, ...]
+    world_size: int = 1
+    reshard_after_forward: bool | int | None = None
+    hsdp: bool = False
+    replicated: tuple[PlannedParam, ...] = ()
+    unit_choice: UnitChoice | None = None
+
+    # ----------------------------------------------------------------- reading
+
+    @functools.cached_property
+    def params_by_fqn(self) -> dict[str, PlannedParam]:
+        """Every planned parameter under each of its names (aliases included), the replicated
+        0-dim ones too."""
+        params = [*(p for u in self.units for p in u.params), *self.replicated]
+        return {fqn: p for p in params for fqn in (p.fqn, *p.aliases)}
+
+    @functools.cached_property
+    def unit_names(self) -> dict[str, str]:
+        """Each planned parameter's names (aliases included) -> the name of its unit."""
+        return {fqn: u.name for u in self.units for p in u.params for fqn in (p.fqn, *p.aliases)}
+
+    @property
+    def rule_claims(self) -> dict[str, list[str]]:
+        """Display form of :attr:`claims`: rule label -> claimed FQNs."""
+        return {label: list(c.fqns) for label, c in report.claim_labels(self.claims)}
+
+    @property
+    def knobs(self) -> cost.Knobs:
+        """The FSDP knobs the collective counts follow."""
+        return cost.Knobs(reshard_after_forward=self.reshard_after_forward, hsdp=self.hsdp)
+
+    # ----------------------------------------------------------------- applying
+
+    def apply(self, **fully_shard_kwargs: Any) -> nn.Module:
+        """Make the planned ``fully_shard`` calls in order; return the model.
+
+        Applies the patch first when a unit has a non-empty map. ``fully_shard_kwargs`` (mesh,
+        offload_policy, ...) go to every call, with the plan's ``reshard_after_forward`` and
+        the :attr:`replicated` parameters added to ``ignored_params``; those get their
+        gradients averaged over the mesh. Before the first call, every call is checked as the
+        installed release's ``fully_shard`` would check it (:meth:`check`), so a refused plan
+        leaves the model untouched. Raises ``ValueError`` before any call when the kwargs
+        contradict the knobs the plan was compiled with (``reshard_after_forward``, a 2-D mesh
+        for ``hsdp``): its counts would be wrong.
+        """
+        kwargs = self.knobs.checked_kwargs(fully_shard_kwargs)
+        scalars = [self.model.get_parameter(p.fqn) for p in self.replicated]
+        if scalars:
+            kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | set(scalars)
+        if any(u.param_dtype_map for u in self.units):
+            apply_param_dtype_map_patch()
+        self.check(ignored_params=kwargs.get("ignored_params"))
+        for unit in self.units:
+            target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+            fully_shard(target, mp_policy=unit.policy, **kwargs)
+        average_gradients(scalars, kwargs.get("mesh"))
+        # Mapped units had it done by their construction step; the others are plain calls.
+        keep_output_recording([m for u in self.units if not u.param_dtype_map for m in u.modules])
+        return self.model
+
+    def check(self, *, ignored_params: Any = None) -> None:
+        """Raise what any planned ``fully_shard`` call would refuse, before any is made.
+
+        Per call: the map against the parameters it will manage (``ParamDtypeMapError``), the
+        installed release's own refusals (2.11's non-floating parameters, ...), and
+        parameters that are already sharded (``ValueError``: the model was wrapped before).
+        """
+        preflight.check_plan(self, ignored_params or set())
+
+    # ----------------------------------------------------------------- reporting
+
+    def collectives(self, unit: PlannedUnit) -> cost.Collectives:
+        """Collectives of ``unit`` in one forward+backward under the plan's knobs."""
+        return cost.unit_collectives(unit, self.knobs)
+
+    def totals(self) -> dict[str, Any]:
+        """Units, collectives per step and bytes all-gathered per step, for this plan."""
+        totals = cost.totals(self.units, self.world_size, self.knobs)
+        # Each trainable replicated (0-dim) parameter: one gradient all-reduce per backward.
+        totals["all_reduces_per_step"] += sum(p.reduce is not None for p in self.replicated)
+        return totals
+
+    def alternatives(self) -> dict[str, dict[str, Any]]:
+        """The same model under a uniform policy and under separate units."""
+        return report.alternatives(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form of the plan (``json.dumps(plan.to_dict())``)."""
+        return report.to_dict(self)
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict(), **kwargs)``."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def explain(self, *, max_params: int = 12) -> str:
+        """A human table: per unit, who claimed what, bytes per all-gather, collectives."""
+        return report.explain(self, max_params=max_params)

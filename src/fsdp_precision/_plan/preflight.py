@@ -1,0 +1,44 @@
+"""Check every planned ``fully_shard`` call before the first one is made.
+
+torch refuses some units only when it reaches them (a map key a call cannot take, 2.11's
+non-floating parameters, an already sharded parameter; 0-dim parameters, which it refuses too,
+are in no planned unit); by then the inner units are
+sharded and the model is half-wrapped. :func:`check_plan` runs the same checks for every call
+first, on the parameters each call will manage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_precision._policy.refusals import check_planned_call
+from fsdp_precision._releases import SUPPORTED_RELEASES, torch_release
+
+if TYPE_CHECKING:
+    from fsdp_precision._plan.plan import PrecisionPlan
+
+__all__ = ["check_plan"]
+
+
+def check_plan(plan: PrecisionPlan, ignored_params: Collection[nn.Parameter]) -> None:
+    """Raise what any planned call would refuse; touches nothing."""
+    ignored = {id(p) for p in ignored_params}
+    supported = torch_release() in SUPPORTED_RELEASES
+    for unit in plan.units:
+        params = []
+        for planned in unit.params:
+            param = plan.model.get_parameter(planned.fqn)
+            if id(param) in ignored:
+                continue
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {planned.fqn!r} is already sharded (a DTensor): the model was "
+                    "wrapped before. Plan and wrap a model that fully_shard has not touched"
+                )
+            params.append(param)
+        if supported:  # elsewhere there is no map to check (apply_param_dtype_map_patch raised)
+            check_planned_call(unit.modules, params, unit.policy)

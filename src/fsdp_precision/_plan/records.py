@@ -1,0 +1,148 @@
+"""The plan's records: planned parameters, planned ``fully_shard`` calls and the plan itself.
+
+Every record is immutable: :mod:`fsdp_precision._plan.compile` builds them once, complete.
+Reporting (``explain``, ``to_dict``) lives in :mod:`fsdp_precision._plan.report`, the collective
+counts in :mod:`fsdp_precision._plan.cost`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision._plan import cost
+from fsdp_precision._plan.rules import AnyRule, rule_label
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+
+__all__ = ["PlannedParam", "PlannedUnit", "RuleClaims"]
+
+
+@dataclass(frozen=True)
+class PlannedParam:
+    """One parameter in the plan.
+
+    Attributes:
+        fqn: Root-relative FQN (the first alias).
+        key: Its key in the unit's ``param_dtype_map`` (relative to the unit's module).
+        shape: Parameter shape.
+        storage: Storage dtype.
+        compute: Compute (all-gather) dtype.
+        reduce: Gradient reduce dtype (``None`` for frozen parameters).
+        claimed_by: The rule object that claimed it (a ``Glob``, a ``ModuleClass`` or a model
+            declaration), ``None`` when no rule did. Compare by identity. (Default: ``None``)
+        aliases: Other FQNs of the same (tied) parameter. (Default: ``()``)
+        mapped: Its unit's exact map has an entry for it: a rule claimed it for a dtype the
+            unit would not compute it in otherwise, or the unit mixes trainable storage dtypes
+            (which only a mapped unit can). (Default: ``False``)
+    """
+
+    fqn: str
+    key: str
+    shape: tuple[int, ...]
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype | None
+    claimed_by: AnyRule | None = None
+    aliases: tuple[str, ...] = ()
+    mapped: bool = False
+
+    @property
+    def claimed(self) -> bool:
+        """Whether a rule claimed it (see :attr:`mapped` for whether that changes its dtype)."""
+        return self.claimed_by is not None
+
+    @property
+    def kept(self) -> bool:
+        """Deprecated spelling of :attr:`claimed`."""
+        warnings.warn(
+            "PlannedParam.kept is deprecated: use PlannedParam.claimed (a rule claimed it) or "
+            "PlannedParam.mapped (its unit's map has an entry for it)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.claimed
+
+    @property
+    def rule(self) -> str:
+        """Display label of ``claimed_by`` (``"default"`` when no rule claimed it)."""
+        return rule_label(self.claimed_by)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(torch.Size(self.shape).numel())
+
+    def padded_numel(self, world_size: int) -> int:
+        """Numel after FSDP's dim-0 padding for ``world_size`` shards."""
+        if not self.shape:
+            return world_size
+        dim0 = -(-self.shape[0] // world_size) * world_size
+        return int(dim0 * torch.Size(self.shape[1:]).numel())
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One planned ``fully_shard`` call.
+
+    Attributes:
+        name: Module FQN(s) of the call, comma-separated (``"<root>"`` for the root).
+        modules: The module(s) passed to ``fully_shard``.
+        params: The parameters this call manages, in ``named_parameters`` order.
+        policy: Its ``mp_policy``.
+        is_root: Whether the root module is a member.
+        separate_unit: A module holding mapped parameters, made its own unit by the
+            separate-units layout. (Default: ``False``)
+    """
+
+    name: str
+    modules: tuple[nn.Module, ...]
+    params: tuple[PlannedParam, ...]
+    policy: MixedPrecisionPolicy
+    is_root: bool
+    separate_unit: bool = False
+
+    @property
+    def split_child(self) -> bool:
+        """Deprecated spelling of :attr:`separate_unit`."""
+        warnings.warn(
+            "PlannedUnit.split_child is deprecated: use PlannedUnit.separate_unit",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.separate_unit
+
+    @property
+    def param_dtype_map(self) -> dict[str, torch.dtype]:
+        """The exact map of the call (empty for a plain ``MixedPrecisionPolicy``)."""
+        policy = self.policy
+        if isinstance(policy, ParamDtypeMixedPrecisionPolicy):
+            return dict(policy.param_dtype_map or {})
+        return {}
+
+    def gather_bytes(self, world_size: int = 1) -> dict[str, int]:
+        """Bytes of one all-gather of this unit, by compute dtype (with dim-0 padding)."""
+        return cost.gather_bytes(self.params, world_size)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any parameter has a gradient to reduce."""
+        return any(p.reduce is not None for p in self.params)
+
+
+@dataclass(frozen=True)
+class RuleClaims:
+    """What one rule claimed, in precedence order.
+
+    Attributes:
+        rule: The rule (a user rule or a model declaration).
+        fqns: The parameters it claimed (first alias of each).
+        declared: Whether it is a model's own declaration (not a user rule).
+    """
+
+    rule: AnyRule
+    fqns: tuple[str, ...]
+    declared: bool

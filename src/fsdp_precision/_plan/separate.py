@@ -1,0 +1,197 @@
+"""The separate-units layout: the public-API way to keep parameters in another dtype.
+
+Every module holding mapped parameters becomes its own ``fully_shard`` unit (``param_dtype=None``
+when they are stored in the dtype they are kept in, else that dtype; no input cast, so the
+activation boundary does not move), then the planned units follow with plain
+``MixedPrecisionPolicy``. One layout serves three uses: ``layout="separate_units"``, the
+``"separate_units"`` estimate of ``PrecisionPlan.alternatives()``, and the reference builder
+:func:`wrap_separate_units`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._plan.build import UnitSpec, build_units
+from fsdp_precision._plan.claims import Claimed
+from fsdp_precision._plan.units import CONTAINERS
+
+if TYPE_CHECKING:
+    from fsdp_precision._plan.plan import PrecisionPlan
+
+__all__ = ["SeparateUnit", "separate_layout", "separate_units_plan", "wrap_separate_units"]
+
+
+@dataclass(frozen=True)
+class SeparateUnit:
+    """One ``fully_shard`` call of the separate-units layout.
+
+    Attributes:
+        modules: Root-relative module FQNs of the call (``""`` is the root).
+        policy: Its plain ``MixedPrecisionPolicy``.
+        kept: A module holding mapped parameters, made its own unit (not a planned unit).
+    """
+
+    modules: tuple[str, ...]
+    policy: MixedPrecisionPolicy
+    kept: bool
+
+
+def _cannot(reason: str) -> ParamDtypeMapError:
+    return ParamDtypeMapError(
+        f"separate units cannot express this plan: {reason}. Use layout='in_unit' (one unit, "
+        "exact map)"
+    )
+
+
+def _inside(names: Sequence[str], fqn: str) -> bool:
+    return any(not n or fqn.startswith(n + ".") for n in names)
+
+
+def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
+    """The ``fully_shard`` calls that express ``plan`` with separate units, in order.
+
+    Raises :class:`ParamDtypeMapError` with the reason when they cannot: a module holding kept
+    parameters also holds parameters computed in another dtype (the root included), a container
+    that nobody calls would hold them, or a grouped call mixes kept and other modules.
+    """
+    model = plan.model
+    by_name = {f: p for f, p in plan.params_by_fqn.items() if p.shape}  # not the replicated
+    kept = {f: p.compute for f, p in by_name.items() if p.mapped}
+    owners: dict[str, torch.dtype] = {}  # module FQN -> the dtype its parameters are kept in
+    for fqn, dtype in kept.items():
+        module = fqn.rpartition(".")[0]
+        if module in owners:
+            continue
+        prefix = f"{module}." if module else ""
+        others = [
+            f[len(prefix) :] for f in by_name if _inside([module], f) and kept.get(f) != dtype
+        ]
+        if others:
+            claim = f"({by_name[fqn].rule} -> {dtype_name(dtype)})"
+            listed = f"{others[:5]}{' ...' if len(others) > 5 else ''}"
+            raise _cannot(
+                f"kept parameter {fqn!r} {claim} sits directly on the root, which also holds "
+                f"{listed} in other dtypes and has no child unit to give it"
+                if not module
+                else f"module {module!r} owns kept {fqn!r} {claim} and {listed} in other dtypes; "
+                "a unit has one param_dtype, so keep the whole module"
+            )
+        if isinstance(model.get_submodule(module), CONTAINERS):
+            raise _cannot(
+                f"kept {fqn!r} sits in the container {module!r} "
+                f"({type(model.get_submodule(module)).__name__}), which nobody calls, so its "
+                "own unit would never be gathered"
+            )
+        owners[module] = dtype
+
+    def param_dtype(names: Sequence[str], dtype: torch.dtype) -> torch.dtype | None:
+        same = all(by_name[f].storage == dtype for f in kept if _inside(names, f))
+        return None if same else dtype
+
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    unit_names = [tuple(module_names[id(m)] for m in u.modules) for u in plan.units]
+    members = {n for names in unit_names for n in names}
+    extra = sorted((m for m in owners if m not in members), key=lambda n: -n.count("."))
+    layout = [
+        SeparateUnit(
+            (m,),
+            MixedPrecisionPolicy(
+                param_dtype=param_dtype([m], owners[m]),
+                reduce_dtype=plan.rules.reduce_dtype,
+                cast_forward_inputs=False,
+            ),
+            kept=True,
+        )
+        for m in extra
+    ]
+    for unit, names in zip(plan.units, unit_names, strict=True):
+        owned = [n for n in names if n in owners]
+        dtypes = {owners[n] for n in owned}
+        if owned and (len(owned) != len(names) or len(dtypes) > 1):
+            raise _cannot(
+                f"grouped unit [{unit.name}] mixes modules holding kept parameters ({owned}) "
+                "with modules computing in another dtype; one fully_shard call has one "
+                "param_dtype"
+            )
+        pd = param_dtype(names, dtypes.pop()) if owned else unit.policy.param_dtype
+        policy = MixedPrecisionPolicy(
+            param_dtype=pd,
+            reduce_dtype=unit.policy.reduce_dtype,
+            output_dtype=unit.policy.output_dtype,
+            cast_forward_inputs=unit.policy.cast_forward_inputs,
+        )
+        layout.append(SeparateUnit(names, policy, kept=False))
+    return tuple(layout)
+
+
+def separate_units_plan(plan: PrecisionPlan) -> PrecisionPlan:
+    """``plan`` expressed with separate units: the units of :func:`separate_layout`, built and
+    checked to compute every parameter in its planned dtype."""
+    model = plan.model
+    layout = separate_layout(plan)
+    specs = [
+        UnitSpec(
+            tuple(model.get_submodule(n) for n in unit.modules),
+            policy=unit.policy,
+            separate_unit=unit.kept,
+        )
+        for unit in layout
+    ]
+    claimed: Claimed = {
+        id(model.get_parameter(p.fqn)): (p.compute, p.claimed_by)
+        for u in plan.units
+        for p in u.params
+        if p.claimed_by is not None
+    }
+    units = build_units(model, plan.rules, specs, claimed, maps=False)
+    planned = {p.fqn: p.compute for u in plan.units for p in u.params}
+    for unit in units:
+        for p in unit.params:
+            if p.compute != planned[p.fqn]:
+                raise _cannot(
+                    f"{p.fqn!r} would compute in {dtype_name(p.compute)} in unit {unit.name}, "
+                    f"planned {dtype_name(planned[p.fqn])}"
+                )
+    return replace(plan, units=units)
+
+
+def wrap_separate_units(
+    model: nn.Module, plan: PrecisionPlan, **fully_shard_kwargs: Any
+) -> nn.Module:
+    """Wrap ``model`` the public-API way ``plan`` says, with separate units; return it.
+
+    ``model`` has the planned model's structure (e.g. a ``copy.deepcopy`` of it made before
+    wrapping). Every module holding kept parameters becomes its own ``fully_shard`` unit
+    (``param_dtype=None`` where they are stored in their kept dtype, else that dtype; no input
+    cast), then the planned units are wrapped with plain ``MixedPrecisionPolicy``. No patch is
+    needed. The result trains bitwise like ``plan.apply()``, with more collectives.
+    ``fully_shard_kwargs`` (mesh, offload_policy, ...) go to every call with the plan's
+    ``reshard_after_forward``.
+
+    Raises :class:`ParamDtypeMapError` with the reason when separate units cannot express the
+    plan, and ``ValueError`` when ``model`` does not have the planned model's parameters.
+    """
+    separate = separate_units_plan(plan)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
+    planned = [(n, tuple(p.shape)) for n, p in plan.model.named_parameters(remove_duplicate=False)]
+    if shapes != planned:
+        diff = sorted(set(shapes) ^ set(planned))[:3]
+        raise ValueError(
+            f"model does not have the planned model's parameters (differing: {diff}); pass a "
+            "copy of plan.model made before wrapping (copy.deepcopy)"
+        )
+    kwargs = separate.knobs.checked_kwargs(fully_shard_kwargs)
+    names = {id(m): n for n, m in plan.model.named_modules(remove_duplicate=False)}
+    for unit in separate.units:
+        mods = [model.get_submodule(names[id(m)]) for m in unit.modules]
+        fully_shard(mods[0] if len(mods) == 1 else mods, mp_policy=unit.policy, **kwargs)
+    return model

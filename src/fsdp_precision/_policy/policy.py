@@ -1,0 +1,118 @@
+"""``ParamDtypeMixedPrecisionPolicy``: torch's ``MixedPrecisionPolicy`` plus per-FQN dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_name
+
+__all__ = ["ParamDtypeMixedPrecisionPolicy"]
+
+_WILDCARDS = frozenset("*?[]")
+
+
+class _DtypeMap(Mapping[str, torch.dtype]):
+    """An immutable, hashable ``{fqn: dtype}`` map (the policy is a frozen dataclass)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, torch.dtype]) -> None:
+        self._items: dict[str, torch.dtype] = dict(items)
+
+    def __getitem__(self, key: str) -> torch.dtype:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._items) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: torch.{dtype_name(v)}" for k, v in self._items.items())
+        return "{" + inner + "}"
+
+
+@dataclass(frozen=True)
+class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
+    """FSDP2's ``MixedPrecisionPolicy`` with exact per-parameter compute dtypes.
+
+    Pass it to ``fully_shard`` after :func:`apply_param_dtype_map_patch`. Parameters named in
+    ``param_dtype_map`` are all-gathered and computed in their mapped dtype, inside the same
+    FSDP unit as the rest: one all-gather and one reduce-scatter per unit, whatever the mix.
+
+    Attributes:
+        param_dtype (Optional[torch.dtype]): Compute and all-gather dtype of every parameter the
+            map does not name; ``None`` keeps each parameter's storage dtype. (Default: ``None``)
+        reduce_dtype (Optional[torch.dtype]): Gradient reduce-scatter dtype of the unit. Required
+            when trainable parameters of one unit compute in different dtypes. (Default: ``None``)
+        output_dtype (Optional[torch.dtype]): Dtype floating forward outputs are cast to.
+            (Default: ``None``)
+        cast_forward_inputs (bool): Cast floating forward inputs to ``param_dtype``. A mapped
+            parameter never casts activations: the activation boundary stays where FSDP puts it.
+            (Default: ``True``)
+        param_dtype_map (Mapping[str, torch.dtype]): Exact parameter FQNs, relative to the module
+            (or to each module of a grouped call) passed to ``fully_shard``, as
+            ``named_parameters(remove_duplicate=False)`` spells them, restricted to the parameters
+            that call manages. Values are floating dtypes (float8 variants, float16, bfloat16,
+            float32, float64). No wildcards: compile patterns with the rules layer. An empty map
+            takes exactly the upstream path. On torch 2.15 a map that torch's native
+            ``param_dtype_override_fn`` can express runs through it; the rest through the
+            patch, as on 2.11-2.14 (docs/compatibility.md). ``None`` means ``{}``. Every entry
+            is honoured as given, one naming the dtype its parameter computes in anyway
+            included (it pins that dtype; compiled plans leave such entries out). A call that
+            manages no parameter maps nothing, whatever its map. (Default: ``{}``)
+
+    On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
+    combined with a non-empty ``param_dtype_map``.
+    """
+
+    param_dtype_map: Mapping[str, torch.dtype] | None = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:  # torch 2.15 validates its own fields
+            parent_post_init()
+        raw = self.param_dtype_map
+        if raw is None:  # Miles' default: no map
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"param_dtype_map must be a mapping of parameter FQN to torch.dtype, got "
+                f"{type(raw).__name__}; pass e.g. {{'norm.weight': torch.float32}}"
+            )
+        checked: dict[str, torch.dtype] = {}
+        for key, dtype in raw.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(
+                    f"param_dtype_map keys must be non-empty parameter FQNs, got {key!r}; "
+                    "use names from module.named_parameters()"
+                )
+            if _WILDCARDS.intersection(key):
+                raise ValueError(
+                    f"param_dtype_map key {key!r} contains a wildcard; keys are exact FQNs. "
+                    "Compile patterns to exact names with fsdp_precision's rules instead"
+                )
+            checked[key] = check_mappable_dtype(dtype, where=f"param_dtype_map[{key!r}]")
+        # torch 2.15 added param_dtype_override_fn; the map is translated into one, so both
+        # together would be ambiguous.
+        if checked and getattr(self, "param_dtype_override_fn", None) is not None:
+            raise ValueError(
+                "ParamDtypeMixedPrecisionPolicy takes param_dtype_map or param_dtype_override_fn, "
+                f"not both (map keys: {sorted(checked)[:3]}); on torch 2.15 the map is translated "
+                "into an override fn: drop param_dtype_override_fn, or use torch's "
+                "MixedPrecisionPolicy with the override fn alone"
+            )
+        object.__setattr__(self, "param_dtype_map", _DtypeMap(checked))

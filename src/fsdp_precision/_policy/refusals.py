@@ -1,0 +1,89 @@
+"""What a release's ``fully_shard`` refuses for one call, checked before anything is sharded.
+
+Pure public torch: nothing here imports FSDP2 internals, so a plan runs these checks for every
+planned call before its first ``fully_shard`` (:func:`check_planned_call`), and the patch's
+construction wrap runs the same ones inside each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._policy import native
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._policy.resolve import ResolvedMap, resolve_param_dtype_map
+from fsdp_precision._releases import ReleaseTraits, release_traits
+
+__all__ = ["check_call", "check_manageable", "check_planned_call", "has_map", "uses_native"]
+
+
+def has_map(policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
+    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and bool(policy.param_dtype_map)
+
+
+def check_manageable(params: Sequence[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
+    """Before 2.12, FSDP2 makes every sharded parameter trainable (2.12 keeps
+    ``requires_grad``), which fails for integral and boolean parameters: say so up front."""
+    bad = [p for p in params if not (p.dtype.is_floating_point or p.dtype.is_complex)]
+    if bad:
+        names = ", ".join(f"{fqns[id(p)][0]!r} ({dtype_name(p.dtype)})" for p in bad[:4])
+        raise ParamDtypeMapError(
+            f"FSDP2 in torch {torch.__version__} cannot manage non-floating parameters ({names}): "
+            "it creates every sharded parameter with requires_grad=True. Pass them in "
+            "ignored_params, or use torch 2.12 or later, which keeps them frozen"
+        )
+
+
+def uses_native(
+    release: ReleaseTraits,
+    params: Sequence[nn.Parameter],
+    resolved: ResolvedMap,
+    policy: ParamDtypeMixedPrecisionPolicy,
+) -> bool:
+    """Whether the map goes through torch's native override (False: the patched machinery
+    takes it); raises where neither can."""
+    if not release.native_override:
+        return False
+    refusal = native.refusal(list(params), resolved, policy)
+    if refusal is None:
+        return True
+    if not release.patches_precision:
+        raise ParamDtypeMapError(refusal)
+    return False
+
+
+def check_call(
+    release: ReleaseTraits,
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    policy: MixedPrecisionPolicy,
+) -> None:
+    """Every refusal ``fully_shard(modules, mp_policy=policy)`` would make on this release, for
+    the ``params`` it would manage, as :class:`ParamDtypeMapError`; nothing is modified."""
+    resolved: ResolvedMap | None = None
+    if has_map(policy):
+        assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)
+        resolved = resolve_param_dtype_map(modules, params, policy)
+        if resolved.by_param and uses_native(release, params, resolved, policy):
+            return
+    if not release.keeps_requires_grad:
+        fqns: dict[int, tuple[str, ...]] = {}
+        for module in modules:
+            for name, param in module.named_parameters(remove_duplicate=False):
+                fqns.setdefault(id(param), (name,))
+        check_manageable(params, resolved.fqns if resolved else fqns)
+
+
+def check_planned_call(
+    modules: Sequence[nn.Module], params: Sequence[nn.Parameter], policy: MixedPrecisionPolicy
+) -> None:
+    """:func:`check_call` on the installed release: what ``fully_shard(modules,
+    mp_policy=policy)`` would refuse for the ``params`` it would manage, touching nothing."""
+    check_call(release_traits(), modules, params, policy)

@@ -1,0 +1,120 @@
+"""A checkpoint's metadata: the library's JSON marker, and DCP's (tensor shapes and dtypes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdp_precision._base.errors import CheckpointNotFoundError, CheckpointReadError
+from fsdp_precision._base.version import __version__
+from fsdp_precision._train.checkpoint.atomic import METADATA_FILE, recover, write_json
+from fsdp_precision._train.checkpoint.state import StateDictType
+
+__all__ = [
+    "MODEL",
+    "OPTIM",
+    "read_checkpoint_metadata",
+    "read_metadata",
+    "saved_tensors",
+    "write_metadata",
+]
+
+_FORMAT = "fsdp_precision.checkpoint"
+_FORMAT_VERSION = 1
+#: The top-level keys of the state a checkpoint holds.
+MODEL, OPTIM = "model", "optim"
+_REQUIRED = ("state_dict_type", "step", "world_size", "has_optimizer")
+
+
+def read_checkpoint_metadata(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON metadata of a complete checkpoint (step, type, world size, versions).
+
+    Raises :class:`CheckpointNotFoundError` when the directory is missing or is not a complete
+    ``fsdp_precision`` checkpoint, :class:`CheckpointReadError` when its metadata is corrupt or
+    foreign. Local: no collective.
+    """
+    return read_metadata(recover(Path(checkpoint_dir)))
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The metadata of the checkpoint directory ``path``, checked for format and fields."""
+    meta_path = path / METADATA_FILE
+    if not meta_path.is_file():
+        raise CheckpointNotFoundError(
+            f"checkpoint directory '{path}' is not a complete fsdp_precision checkpoint (no "
+            f"{METADATA_FILE}); pass a directory written by save_checkpoint(), or check that "
+            "its save finished"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointReadError(
+            f"cannot read '{meta_path}': {err}; the checkpoint's metadata is damaged: load an "
+            "earlier checkpoint, or save this one again"
+        ) from err
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointReadError(
+            f"'{meta_path}' has format {found!r}, not {_FORMAT!r}; pass a directory written by "
+            "save_checkpoint()"
+        )
+    absent = [k for k in _REQUIRED if k not in meta]
+    if absent:
+        raise CheckpointReadError(
+            f"'{meta_path}' lacks the field(s) {absent}; the checkpoint's metadata is damaged: "
+            "load an earlier checkpoint, or save this one again"
+        )
+    return cast(dict[str, Any], meta)
+
+
+def write_metadata(
+    path: Path, kind: StateDictType, step: int | None, world: int, *, has_optimizer: bool
+) -> None:
+    """Write the marker that completes the checkpoint directory ``path`` (atomically, last)."""
+    meta = {
+        "format": _FORMAT,
+        "format_version": _FORMAT_VERSION,
+        "state_dict_type": kind,
+        "step": step,
+        "world_size": world,
+        "has_optimizer": has_optimizer,
+        "torch_version": torch.__version__,
+        "fsdp_precision_version": __version__,
+        "saved_at_unix": time.time(),
+    }
+    write_json(path / METADATA_FILE, meta)
+
+
+#: A saved tensor's global shape and dtype.
+SavedTensor = tuple[tuple[int, ...], torch.dtype]
+
+
+def saved_tensors(path: Path, prefix: str = MODEL) -> dict[str, SavedTensor]:
+    """Shape and dtype of every tensor saved under the top-level key ``prefix``, by inner key.
+
+    Reads DCP's ``.metadata`` file; :class:`CheckpointReadError` when it is missing or damaged.
+    """
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        raise CheckpointReadError(
+            f"cannot read the DCP metadata of checkpoint '{path}' ({err!r}); the checkpoint is "
+            "damaged or was not written by torch.distributed.checkpoint: load an earlier one, "
+            "or save it again"
+        ) from err
+    mapping = metadata.planner_data or {}
+    found: dict[str, SavedTensor] = {}
+    for flat_key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        route = mapping.get(flat_key, tuple(flat_key.split(".", 1)))
+        if len(route) == 2 and route[0] == prefix:
+            found[str(route[1])] = (tuple(int(s) for s in meta.size), meta.properties.dtype)
+    return found

@@ -1,0 +1,226 @@
+"""Checkpoints on disk: a collective, atomic save and a validated, resharding load (DCP)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from fsdp_precision._base.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
+from fsdp_precision._train.checkpoint import metadata as _metadata
+from fsdp_precision._train.checkpoint.atomic import prepare_target, recover, swap_into_place
+from fsdp_precision._train.checkpoint.collective import (
+    CheckpointException,
+    describe,
+    from_rank0,
+    raise_collectively,
+    rank_world,
+    single_process,
+)
+from fsdp_precision._train.checkpoint.metadata import MODEL, OPTIM, read_metadata, saved_tensors
+from fsdp_precision._train.checkpoint.state import (
+    StateDictType,
+    check_type,
+    mismatch_error,
+    model_shapes,
+)
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    state_dict_type: StateDictType = "sharded",
+    step: int | None = None,
+) -> Path:
+    """Save ``model`` (and ``optimizer``) to ``checkpoint_dir`` atomically; return the path.
+
+    Collective: every rank must call it with the same arguments. The directory must be on a
+    filesystem every rank can see.
+
+    - ``"sharded"``: every rank writes its own shards (``torch.distributed.checkpoint.save``);
+      loadable at another world size and another mesh (FSDP 1-D <-> HSDP 2-D).
+    - ``"full"``: the state is consolidated on rank 0, which alone writes it (also DCP format,
+      loadable in the same ways; exportable with :func:`export_safetensors`).
+
+    Atomic: everything is written into the sibling ``<dir>.tmp-<id>``; after every rank has
+    written, rank 0 renames the previous checkpoint to ``<dir>.old-<id>``, the new one to
+    ``<dir>``, and deletes the old one. A crash at any point leaves the previous or the new
+    checkpoint loadable, never a partial one. Metadata (step, type, world size, torch and library
+    versions) goes to ``METADATA_FILE``, written last. A model with a Hugging Face ``config`` also
+    gets its ``config.json``.
+
+    Raises :class:`CheckpointError` for a bad ``state_dict_type`` or ``step``, and
+    :class:`CheckpointWriteError` on every rank when anything cannot be written, or when
+    ``checkpoint_dir`` exists and is neither empty nor a checkpoint; the previous checkpoint
+    stays in place.
+    """
+    kind = check_type(state_dict_type)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise CheckpointError(
+            f"step={step!r} is not an int; pass the training step as an int, or None"
+        )
+    rank, world = rank_world()
+    target = Path(checkpoint_dir).absolute()
+    tmp: Path | None = None
+    error: CheckpointError | None = None
+    if rank == 0:
+        try:
+            tmp = prepare_target(target)
+        except CheckpointError as err:
+            error = err
+    tmp, error = from_rank0((tmp, error))
+    if error is not None:
+        raise error
+    tmp = cast(Path, tmp)
+
+    error = _write_state(tmp, model, optimizer, kind)
+    if rank == 0 and error is None:
+        try:
+            config = getattr(model, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(tmp)
+            _metadata.write_metadata(tmp, kind, step, world, has_optimizer=optimizer is not None)
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)
+    raise_collectively(error)  # also the barrier: every rank's shards are written
+    if rank == 0:
+        try:
+            swap_into_place(tmp, target)
+        except CheckpointWriteError as err:
+            error = err
+    error = from_rank0(error)
+    if error is not None:
+        raise error
+    if rank == 0:
+        logger.info("saved %s checkpoint (step %s) to %s", kind, step, target)
+    return target
+
+
+def _write_error(what: str, cause: BaseException) -> CheckpointWriteError:
+    error = CheckpointWriteError(
+        f"{what}; the previous checkpoint (if any) is unchanged: check that the directory is "
+        "writable and has free space, and save again"
+    )
+    error.__cause__ = cause
+    return error
+
+
+def _write_state(
+    tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, kind: StateDictType
+) -> CheckpointWriteError | None:
+    """Every rank: write the state into ``tmp`` (DCP raises a write failure on every rank for
+    ``"sharded"``; for ``"full"`` only rank 0 writes, and only rank 0 can fail)."""
+    rank, _ = rank_world()
+    if kind == "sharded":
+        state = _sharded_state(model, optimizer)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if optimizer is None:
+            state = {MODEL: get_model_state_dict(model, options=options)}
+        else:
+            msd, osd = get_state_dict(model, optimizer, options=options)
+            state = {MODEL: msd, OPTIM: osd}
+    try:
+        if kind == "sharded":
+            dcp_save(state, checkpoint_id=tmp)
+        elif rank == 0:
+            with single_process():
+                dcp_save(state, checkpoint_id=tmp, no_dist=True)
+    except (OSError, CheckpointException) as err:
+        return _write_error(f"cannot write checkpoint '{tmp}' ({describe(err)})", err)
+    return None
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {MODEL: get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {MODEL: msd, OPTIM: osd}
+
+
+def load_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    state_dict_type: StateDictType | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
+
+    Collective: every rank must call it. Works for both types, at any world size and on any
+    mesh: every rank reads only the slices of its own shards (DCP resharding). Pass
+    ``state_dict_type`` to insist on one type (:class:`CheckpointError` on the other).
+
+    Checked first, on every rank, before anything is loaded: a missing or incomplete checkpoint
+    raises :class:`CheckpointNotFoundError`, corrupt metadata :class:`CheckpointReadError`,
+    model keys and shapes that differ from the checkpoint's :class:`StateDictMismatchError`
+    listing them. A saved tensor whose dtype differs from the destination's is cast on load (the
+    destination keeps its dtype). A DCP file that cannot be read while loading raises
+    :class:`CheckpointReadError`; the model and optimizer may then be partly loaded.
+    Returns the checkpoint's metadata (``step``, ``state_dict_type``, ``world_size``, ...).
+    """
+    if state_dict_type is not None:
+        check_type(state_dict_type)
+    error: CheckpointError | None = None
+    meta: dict[str, Any] = {}
+    path = Path(checkpoint_dir)
+    try:
+        path = recover(path.absolute())
+        meta = read_metadata(path)
+        if state_dict_type is not None and meta["state_dict_type"] != state_dict_type:
+            raise CheckpointError(
+                f"checkpoint '{path}' is a {meta['state_dict_type']!r} checkpoint, but "
+                f"state_dict_type={state_dict_type!r} was requested; pass "
+                f"state_dict_type={meta['state_dict_type']!r} (or None to accept either)"
+            )
+        if optimizer is not None and not meta["has_optimizer"]:
+            raise CheckpointError(
+                f"checkpoint '{path}' has no optimizer state, but an optimizer was passed; pass "
+                "optimizer=None, or save with save_checkpoint(..., optimizer=...)"
+            )
+        saved = {k: shape for k, (shape, _) in saved_tensors(path, MODEL).items()}
+        error = mismatch_error(f"checkpoint '{path}'", model_shapes(model), saved)
+    except CheckpointError as exc:
+        error = exc
+    raise_collectively(error)
+
+    state = _sharded_state(model, optimizer)
+    try:
+        dcp_load(state, checkpoint_id=path)
+    except (OSError, CheckpointException) as err:
+        raise CheckpointReadError(
+            f"cannot read checkpoint '{path}' ({describe(err)}); a file of the checkpoint is "
+            "missing or damaged, or the optimizer does not match the saved one. The model and "
+            "optimizer may be partly loaded: build them afresh, then load an earlier checkpoint "
+            "(or the matching optimizer)"
+        ) from err
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM]
+        )
+    rank, _ = rank_world()
+    if rank == 0:
+        kind, step = meta["state_dict_type"], meta["step"]
+        logger.info("loaded %s checkpoint (step %s) from %s", kind, step, path)
+    return meta
