@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
-from fsdp_precision import load_checkpoint, save_checkpoint
+from fsdp_precision.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_precision.testing import launch, process_group
 
 

@@ -5,7 +5,7 @@
 
 Each run is a fresh ``python -m fsdp_precision demo`` (imports, both phases' processes, the
 checkpoint, the summary), timed from outside. Prints each run's wall time and the median, and the
-time the demo itself reports for its two phases. Target (issue 5): under a minute on 2 CPU cores.
+time the demo itself reports for its two phases. Target: under a minute on 2 CPU cores.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from fsdp_precision import DistributedConfig, Glob, wrap_model_for_training
+from fsdp_precision import DistributedConfig, Glob, PrecisionRules, wrap_model_for_training
 from fsdp_precision.testing import TinyConfig, TinyDecoder, launch, process_group
 
 
@@ -44,7 +44,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     per_block = sum(p.numel() for p in model.blocks[0].parameters())
     config = DistributedConfig(
         fsdp_auto_wrap_min_params=per_block,
-        precision_rules=(Glob("*norm.weight"), Glob("*router.weight")),
+        fsdp_mixed_precision=PrecisionRules(rules=(Glob("*norm.weight"), Glob("*router.weight"))),
     )
     wrap_model_for_training(model, config)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -17,6 +17,7 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from fsdp_precision import (
     DistributedConfig,
     Glob,
+    PrecisionRules,
     make_grad_scaler,
     plan_model_for_training,
     wrap_model_for_training,
@@ -48,12 +49,12 @@ def main() -> None:
     )
     config = DistributedConfig(
         parallel_strategy="fsdp",
-        fsdp_mixed_precision="bf16",
+        # bf16 compute, fp32 reduce. GptOssRMSNorm computes in fp32 and casts its output back to
+        # the input dtype, so its weight can stay fp32 inside bf16 units. (LlamaRMSNorm returns
+        # weight * x instead: an fp32 weight would turn the activations fp32. Check a model's
+        # norm before keeping it.)
+        fsdp_mixed_precision=PrecisionRules(rules=(Glob("*norm.weight"),)),
         fsdp_auto_wrap_min_params=20_000,  # each decoder layer becomes a unit
-        # GptOssRMSNorm computes in fp32 and casts its output back to the input dtype, so its
-        # weight can stay fp32 inside bf16 units. (LlamaRMSNorm returns weight * x instead: an
-        # fp32 weight would turn the activations fp32. Check a model's norm before keeping it.)
-        precision_rules=(Glob("*norm.weight"),),
     )
     if rank == 0:
         print(plan_model_for_training(model, config).explain())

@@ -4,9 +4,10 @@
     python scripts/hash_sources.py --check          # exit 1 unless the release module agrees
     python scripts/hash_sources.py --traits-of 2.14 # a new release: hash what 2.14's traits need
 
-The functions hashed follow the release's ``TRAITS`` (``fsdp_precision._releases.traits.targets``).
+The functions hashed follow the release's ``TRAITS``
+(``fsdp_precision._releases.traits.hashed_functions``).
 Run it in a venv holding the torch release the module is for (see scripts/compat.py), then paste
-the table into ``src/fsdp_precision/_patch/v2_NN.py``.
+the table into ``src/fsdp_precision/_releases/v2_NN.py``.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from fsdp_precision._patch import (  # noqa: E402
+from fsdp_precision._base.sources import lookup, source_sha256  # noqa: E402
+from fsdp_precision._releases import (  # noqa: E402
     SUPPORTED_RELEASES,
     release_module_name,
     torch_release,
 )
-from fsdp_precision._base.sources import lookup, source_sha256  # noqa: E402
-from fsdp_precision._releases.traits import targets  # noqa: E402
+from fsdp_precision._releases.traits import hashed_functions  # noqa: E402
 
 
 def _release_module(release: str) -> ModuleType:
-    return importlib.import_module(f"fsdp_precision._patch.{release_module_name(release)}")
+    return importlib.import_module(f"fsdp_precision._releases.{release_module_name(release)}")
 
 
 def _hash(target: str) -> str:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--traits-of",
         choices=SUPPORTED_RELEASES,
-        help="whose traits decide the targets (default: the installed release's)",
+        help="whose traits decide the hashed functions (default: the installed release's)",
     )
     parser.add_argument(
         "--check",
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     like = args.traits_of or installed
     if like not in SUPPORTED_RELEASES:
         parser.error(f"torch {torch.__version__} has no release module yet; pass --traits-of")
-    hashes = {target: _hash(target) for target in targets(_release_module(like).TRAITS)}
+    hashes = {target: _hash(target) for target in hashed_functions(_release_module(like).TRAITS)}
     if args.check:
         if installed not in SUPPORTED_RELEASES:
             parser.error(f"torch {torch.__version__} has no release module to check")
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             if recorded.get(target) != hashes.get(target):
                 print(f"differs: {target} recorded {recorded.get(target)} now {hashes.get(target)}")
         return 1
-    print(f"# torch {torch.__version__}, targets of the {like} traits")
+    print(f"# torch {torch.__version__}, functions hashed by the {like} traits")
     print("SOURCES: dict[str, str] = {")
     for target, sha in hashes.items():
         print(f'    "{target}": "{sha}",')

@@ -1,12 +1,36 @@
+"""Shared fixtures and the test tiers.
+
+Tiers, each runnable alone (the README's ``./dev test`` runs them all):
+
+- ``fast``: in the test process, no spawned ranks and no integration package;
+- ``distributed``: spawns gloo process groups (``tests.support.harness``);
+- ``integration``: the real framework packages (``tests/integrations/``).
+
+Every test gets the markers of its tier here: ``pytest -m fast``, ``-m distributed``,
+``-m integration``.
+"""
+
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import fsdp_precision as fp
+from fsdp_precision._base.dist import free_port
+
+_INTEGRATIONS = Path(__file__).parent / "integrations"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _INTEGRATIONS in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
+        elif "distributed" not in item.keywords:
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")
@@ -14,9 +38,7 @@ def world1() -> Iterator[None]:
     """A one-rank gloo process group in the test process itself (no spawn), patch applied."""
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from _harness import _free_port
-
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     fp.apply_param_dtype_map_patch()
     yield

@@ -28,6 +28,7 @@ check your own model with in :mod:`fsdp_precision.testing`.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from typing import Any
@@ -91,33 +92,24 @@ __all__ = [
     "wrap_model_for_training",
 ]
 
-#: Names 0.1 exported here that moved to :mod:`fsdp_precision.checkpoint`; they still work for
-#: this release, with a ``DeprecationWarning`` naming the new spelling.
-_MOVED_TO_CHECKPOINT = (
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointReadError",
-    "CheckpointWriteError",
-    "StateDictMismatchError",
-    "export_safetensors",
-    "load_checkpoint",
-    "load_model_state_dict",
-    "model_state_dict",
-    "read_checkpoint_metadata",
-    "save_checkpoint",
-)
+#: What 0.1 exported here that moved to :mod:`fsdp_precision.checkpoint` (its functions and
+#: errors) still works for this release, with a ``DeprecationWarning`` naming the new spelling.
+_NEW_IN_CHECKPOINT = ("METADATA_FILE", "StateDictType")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CHECKPOINT:
+    if name.startswith("__"):  # module protocol lookups (__path__, __file__, ...)
+        raise AttributeError(name)
+    checkpoint = importlib.import_module(f"{__name__}.checkpoint")  # also for the submodule
+    if name == "checkpoint":
+        return checkpoint
+    if name in checkpoint.__all__ and name not in _NEW_IN_CHECKPOINT:
         warnings.warn(
             f"fsdp_precision.{name} moved: use fsdp_precision.checkpoint.{name} "
             f"(from fsdp_precision.checkpoint import {name})",
             DeprecationWarning,
             stacklevel=2,
         )
-        from fsdp_precision import checkpoint  # lazy: only for the deprecated spelling
-
         return getattr(checkpoint, name)
     raise AttributeError(f"module 'fsdp_precision' has no attribute {name!r}")
 

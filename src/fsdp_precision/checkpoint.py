@@ -20,15 +20,14 @@ from fsdp_precision._base.errors import (
     CheckpointWriteError,
     StateDictMismatchError,
 )
-from fsdp_precision._train.checkpoint import (
-    METADATA_FILE,
+from fsdp_precision._train.checkpoint.atomic import METADATA_FILE
+from fsdp_precision._train.checkpoint.export import export_safetensors
+from fsdp_precision._train.checkpoint.metadata import read_checkpoint_metadata
+from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._train.checkpoint.state import (
     StateDictType,
-    export_safetensors,
-    load_checkpoint,
     load_model_state_dict,
     model_state_dict,
-    read_checkpoint_metadata,
-    save_checkpoint,
 )
 
 __all__ = [

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.multiprocessing.spawn import start_processes
 
 from fsdp_precision._base.dist import free_port, under_torchrun
 
@@ -61,8 +62,6 @@ def launch(
     """
     if under_torchrun():
         return fn(*args)
-    from torch.multiprocessing.spawn import start_processes
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fsdp-precision-") as out:
         start_processes(  # type: ignore[no-untyped-call]

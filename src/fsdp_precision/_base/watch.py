@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -81,11 +82,6 @@ class RunningModules:
             self.stack.pop()
 
     def __enter__(self) -> RunningModules:
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
         self._handles = [
             register_module_forward_pre_hook(self._pre),
             register_module_forward_hook(self._post, always_call=True),

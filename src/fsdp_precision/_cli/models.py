@@ -25,7 +25,7 @@ def is_hf_spec(spec: str) -> bool:
 
 def _require_transformers(spec: str) -> None:
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  # lazy: an optional dependency
     except ImportError as exc:
         raise ValueError(
             f"MODEL {spec!r} needs Hugging Face transformers, which is not installed; "
@@ -36,7 +36,7 @@ def _require_transformers(spec: str) -> None:
 def load_config(spec: str) -> Any:
     """The transformers config of ``hf:<model_type>`` or of a local directory's config.json."""
     _require_transformers(spec)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: an optional dependency
 
     if spec.startswith("hf:"):
         model_type = spec[3:]
@@ -99,6 +99,7 @@ def load_model(
 
 
 def _from_config(config: Any, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    # lazy: an optional dependency
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     kwargs = {"dtype": dtype} if dtype is not None else {}

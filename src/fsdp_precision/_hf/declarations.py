@@ -107,7 +107,7 @@ def library_of(model: nn.Module) -> str | None:
 
 
 def _transformers_major() -> int:
-    import transformers
+    import transformers  # lazy: an optional dependency
 
     return int(transformers.__version__.split(".")[0])
 
@@ -145,6 +145,7 @@ def _matcher(library: str, pattern: str) -> Callable[[str], bool]:
     if library == "diffusers":
         return lambda name: pattern in name.split(".")
     if _transformers_major() >= 5:
+        # lazy: an optional dependency, and a 5.x module
         from transformers.core_model_loading import build_glob_alternation
 
         regex, _, _ = build_glob_alternation([pattern])

@@ -33,7 +33,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import registry
-from fsdp_precision._patch.tags import MAPPED_DTYPE_ATTR
+from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR
 from fsdp_precision._policy.native import native_policy
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.refusals import check_manageable, has_map, uses_native
@@ -76,21 +76,19 @@ def init_param_group(
         original(state, params, modules, *args, **kwargs)
         _after_call(mp_policy, resolved, modules)
         return None
+    before = len(state._fsdp_param_groups) if release.param_group_list else 0
     if native:
         args, kwargs = rebind_mp_policy(args, kwargs, native_policy(mp_policy, resolved))
-        original(state, params, modules, *args, **kwargs)
-        _after_call(mp_policy, resolved, modules)
-        _log_mapped(modules, resolved, "native override")
-        return None
-    before = len(state._fsdp_param_groups) if release.param_group_list else 0
     original(state, params, modules, *args, **kwargs)
     for param_group in _new_param_groups(state, before, release):
         for fsdp_param in param_group.fsdp_params:
-            info = fsdp_param._module_info
-            dtype = resolved.by_slot.get((id(info.module), info.param_name))
-            setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
+            setattr(fsdp_param, MAPPED_CALL_ATTR, True)
+            if not native:  # the patched machinery reads each parameter's mapped dtype
+                info = fsdp_param._module_info
+                dtype = resolved.by_slot.get((id(info.module), info.param_name))
+                setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
     _after_call(mp_policy, resolved, modules)
-    _log_mapped(modules, resolved, "mapped")
+    _log_mapped(modules, resolved, "native override" if native else "mapped")
     return None
 
 

@@ -32,12 +32,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.tensor import DTensor
 
+from fsdp_precision._base.dist import local_tensor
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._patch import registry
-from fsdp_precision._patch.tags import in_mapped_unit
+from fsdp_precision._patch.tags import in_mapped_call, in_mapped_unit
 
-__all__ = ["foreach_reduce", "is_uniform"]
+__all__ = ["foreach_reduce", "foreach_reduce_without_empty", "is_uniform"]
 
 
 @torch.no_grad()
@@ -180,6 +181,31 @@ def foreach_reduce(
         all_reduce_event,
         None,
     )
+
+
+@torch.no_grad()
+def foreach_reduce_without_empty(
+    fsdp_params: list[FSDPParam], unsharded_grads: list[torch.Tensor], *args: Any, **kwargs: Any
+) -> tuple[Any, ...]:
+    """torch's own ``foreach_reduce`` (2.15, ``mixed_dtype_reduce``), without the 0-size
+    gradients of a mapped call, which its copy-in refuses ("_chunk_cat expects non-empty
+    tensor"): they hold no columns of the reduce-scatter, and each gets its empty sharded gradient
+    (and its post-accumulate-grad hooks) here. Any other unit goes to torch unchanged."""
+    original = registry.original(_group, "foreach_reduce")
+    empty = [i for i, g in enumerate(unsharded_grads) if not g.numel()]
+    if not empty or len(empty) == len(unsharded_grads) or not in_mapped_call(fsdp_params[0]):
+        return original(fsdp_params, unsharded_grads, *args, **kwargs)  # type: ignore[no-any-return]
+    dropped = [fsdp_params[i] for i in empty]
+    kept = [i for i in range(len(fsdp_params)) if i not in set(empty)]
+    grads = [unsharded_grads[i] for i in kept]
+    unsharded_grads.clear()  # the caller's list owns the gradients: freed as torch frees them
+    results = original([fsdp_params[i] for i in kept], grads, *args, **kwargs)
+    stream = _get_device_handle(dropped[0].device.type).current_stream()
+    for fsdp_param in dropped:
+        dtype = getattr(fsdp_param, "sharded_grad_dtype", None) or fsdp_param.orig_dtype
+        local = local_tensor(fsdp_param.sharded_param)
+        _assign_sharded_grad(fsdp_param, local.new_empty(local.shape, dtype=dtype), stream, True)
+    return results  # type: ignore[no-any-return]
 
 
 def is_uniform(

@@ -25,6 +25,8 @@ def table(release: ReleaseTraits) -> list[Replacement]:
         ]
         if not release.mixed_dtype_reduce:  # 2.15 reduces mixed gradient dtypes itself
             rows.append((_group, "foreach_reduce", reduce.foreach_reduce))  # post_backward's
+        else:  # ... but refuses 0-size gradients, which mapped calls leave out around it
+            rows.append((_group, "foreach_reduce", reduce.foreach_reduce_without_empty))
     return rows
 
 

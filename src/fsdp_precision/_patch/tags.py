@@ -1,7 +1,7 @@
 """What the patch records on torch's ``FSDPParam`` objects of mapped units.
 
-Set at construction (``_construct``) and at lazy init (``_mp_dtypes``); read on the hot paths
-(``_gather``, ``_reduce``), where a unit without the tag costs one attribute lookup before the
+Set at construction (``construct``) and at lazy init (``mp_dtypes``); read on the hot paths
+(``gather``, ``reduce``), where a unit without the tag costs one attribute lookup before the
 call goes to torch's original.
 """
 
@@ -11,12 +11,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAPPED_DTYPE_ATTR", "MAPPED_UNIT_ATTR", "in_mapped_unit", "mapped_dtype"]
+__all__ = [
+    "MAPPED_CALL_ATTR",
+    "MAPPED_DTYPE_ATTR",
+    "MAPPED_UNIT_ATTR",
+    "in_mapped_call",
+    "in_mapped_unit",
+    "mapped_dtype",
+]
 
 #: FSDPParam attribute holding the mapped compute dtype (absent or None: unmapped).
 MAPPED_DTYPE_ATTR = "_fsdp_precision_dtype"
 #: FSDPParam attribute set on every parameter of a unit with mapped parameters.
 MAPPED_UNIT_ATTR = "_fsdp_precision_unit"
+#: FSDPParam attribute set at construction on every parameter of a ``fully_shard`` call whose map
+#: resolved to at least one entry, whichever machinery (native override or patch) takes it.
+MAPPED_CALL_ATTR = "_fsdp_precision_call"
 
 
 def mapped_dtype(fsdp_param: Any) -> torch.dtype | None:
@@ -27,3 +37,8 @@ def mapped_dtype(fsdp_param: Any) -> torch.dtype | None:
 def in_mapped_unit(fsdp_param: Any) -> bool:
     """Whether this ``FSDPParam`` belongs to a unit with mapped parameters (after lazy init)."""
     return bool(getattr(fsdp_param, MAPPED_UNIT_ATTR, False))
+
+
+def in_mapped_call(fsdp_param: Any) -> bool:
+    """Whether this ``FSDPParam`` belongs to a ``fully_shard`` call with mapped parameters."""
+    return bool(getattr(fsdp_param, MAPPED_CALL_ATTR, False))

@@ -5,6 +5,10 @@ upstream function the patch replaces or relies on, and its ``TRAITS``, a
 :class:`~fsdp_precision._releases.traits.ReleaseTraits` record of what that release's FSDP2 does
 differently, with the rules derived from them. Pure data: nothing here imports a torch internal,
 so every layer above may ask what the installed release does.
+
+A release module's ``SOURCES`` holds the SHA-256 of every upstream function the patch replaces
+or relies on, ``hashed_functions(TRAITS)``. Regenerate it with ``python scripts/hash_sources.py``
+in a venv holding that release; check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class ReleaseTraits:
     #: casts them into the reduce dtype as it copies) and casts each run back to its parameter's
     #: ``sharded_grad_dtype``; ``FSDPParam`` carries ``grad_dtype`` (``unsharded_grad_dtype``),
     #: the group keeps ``_fsdp_params_with_wider_grad_dtype`` and promotes ``reduce_dtype=None``
-    #: over the gradient dtypes. torch's ``foreach_reduce`` is then kept, and ``_mp_dtypes`` sets
-    #: that group state instead of ``_orig_dtype``.
+    #: over the gradient dtypes. torch's ``foreach_reduce`` is then kept (wrapped only to leave a
+    #: mapped call's 0-size gradients out of its copy-in), and ``mp_dtypes`` sets that group
+    #: state instead of ``_orig_dtype``.
     mixed_dtype_reduce: bool = False
     #: 2.15: ``FSDPParamGroup.pre_backward`` clears ``grad_dtype`` on every unsharded parameter
     #: whose gradient dtype (``unsharded_grad_dtype``: the reduce dtype, else the storage dtype)

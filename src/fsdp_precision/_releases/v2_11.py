@@ -4,8 +4,6 @@
 trainable, lacks the non-floating ``param_dtype`` clamp, keeps compiled-autograd branches in
 ``_get_param_all_gather_inputs`` and ``foreach_reduce``, and returns six values from
 ``foreach_reduce``: each is a trait below.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
-check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ TRAITS = ReleaseTraits(
     foreach_reduce_results=6,
 )
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``hashed_functions(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "46c52972a6ce72a827b460ec727441829e88305202196a032d5a176c38d7675f",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -6,8 +6,6 @@ returns six values. The other relied-on changes up to 2.13 (``FSDPParamGroup.__i
 ``lazy_init``/``post_backward``: reduce-scatter buffer recycling and unused-parameter zero
 gradients; ``init_all_gather_outputs``: ``force_recreate``; ``_get_gradient_divide_factors``:
 PREMUL_SUM construction) do not change what the patch does.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
-check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ TRAITS = ReleaseTraits(
     foreach_reduce_results=6,
 )
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``hashed_functions(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -2,8 +2,6 @@
 
 2.13 made ``foreach_reduce`` return ``post_reduce_stream`` (seven values). The mixed reduce
 path mirrors 2.13's ``foreach_reduce``.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
-check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ TORCH_RELEASE = "2.13"
 #: 2.13's behaviour in every trait (the defaults of ``ReleaseTraits``).
 TRAITS = ReleaseTraits()
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``hashed_functions(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "07716440019cc2c1e782fc013adedba27e561a3de74a2ea630c962e81e113ea5",

@@ -4,8 +4,6 @@
 FSDPParamGroup.post_backward (an spmd no-typecheck context around the same foreach_reduce call)
 and FSDPParam.init_unsharded_param (spmd_types); none changes what the patch replaces or
 expects: the traits are 2.13's.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
-check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ TORCH_RELEASE = "2.14"
 #: 2.13's behaviour in every trait (the defaults of ``ReleaseTraits``).
 TRAITS = ReleaseTraits()
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``hashed_functions(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "83d6abbae6e51f91092ab16e3cdfc19aa6b9f65d836a6274201e32bbcc4cce87",

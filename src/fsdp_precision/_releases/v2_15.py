@@ -2,12 +2,10 @@
 
 2.15 added ``MixedPrecisionPolicy.param_dtype_override_fn``; maps it can express run through it
 with no change to FSDP's precision machinery (the construction site translates them,
-``_construct`` and ``_native``). Maps it cannot express (mixed trainable storage, upcasts, third
+``_patch/construct.py`` and ``_policy/native.py``). Maps it cannot express (mixed trainable storage, upcasts, third
 dtypes) take the patched machinery: ``_init_mp_dtypes`` without its uniform-dtype asserts and
 ``_get_param_all_gather_inputs`` with one copy per target dtype; 2.15's own ``foreach_reduce``
 already reduces mixed gradient dtypes and casts each back to its storage dtype.
-Regenerate the table with ``python scripts/hash_sources.py`` in a venv holding this release;
-check it with ``python scripts/hash_sources.py --check``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ TRAITS = ReleaseTraits(
     defers_grad_upcast=True,
 )
 
-#: SHA-256 of every upstream function the patch replaces or relies on (``hashed_functions(TRAITS)``).
 SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init:_init_param_group": "b1b111db8b1ce04923dda06c7a4a01131dec08eddd62442675b00c5aa1cb4ab1",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes": "dae2695e9f1c1c81c9ce6921e49173f01b48290df8bafdd76854c0c7ac7544a7",

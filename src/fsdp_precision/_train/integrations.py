@@ -59,9 +59,8 @@ def accelerate_fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
     Raises ``RuntimeError`` unless the accelerator is ``MULTI_CPU`` (use ``cpu=True`` under
     ``torchrun``) and ``ValueError`` for a plugin that is not FSDP2.
     """
-    # lazy: accelerate is an optional dependency
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
+    from accelerate.state import PartialState  # lazy: an optional dependency
+    from accelerate.utils import DistributedType  # lazy: an optional dependency
 
     state = accelerator.state
     if state.distributed_type == DistributedType.FSDP:

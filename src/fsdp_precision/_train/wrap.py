@@ -10,6 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
@@ -77,8 +82,6 @@ def _device() -> torch.device:
 
 
 def _mesh(config: DistributedConfig, device: torch.device) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     if config.parallel_strategy == "fsdp":
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
@@ -137,14 +140,10 @@ def wrap_model_for_training(
         )
     device = _device()
     if config.parallel_strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         model = model.to(device)
         return DistributedDataParallel(
             model, device_ids=[device.index] if device.index is not None else None
         )
-
-    from torch.distributed.fsdp import CPUOffloadPolicy
 
     plan = plan_model_for_training(model, config, example_inputs=example_inputs)
     # The plan passes its reshard_after_forward (from the config) to every call.
@@ -174,8 +173,6 @@ def wrap_model_for_training(
 def _fill_from_rank0(
     model: nn.Module, state_dict: Mapping[str, torch.Tensor], device: torch.device, offload: bool
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     model.to_empty(device="cpu" if offload else device)
     set_model_state_dict(
         model,
@@ -193,7 +190,5 @@ def make_grad_scaler(config: DistributedConfig, **kwargs: Any) -> Any:
     """
     if config.precision().param_dtype != torch.float16:
         return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
     device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     return ShardedGradScaler(device=device, **kwargs)

@@ -38,7 +38,8 @@ from fsdp_precision._observe.gathers import GatherProbe
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.separate import wrap_separate_units
 from fsdp_precision._plan.units import block_class_names
-from fsdp_precision._train.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._train.checkpoint.state import model_state_dict
 from fsdp_precision._train.config import DistributedConfig
 from fsdp_precision._train.wrap import wrap_model_for_training
 from fsdp_precision._verify.compare import same_bits
@@ -106,7 +107,7 @@ def smallest_block(model: nn.Module) -> int:
 
 def kept_params(plan: PrecisionPlan) -> list[str]:
     """``"fqn dtype"`` of every parameter a rule kept in another compute dtype, sorted."""
-    kept = (p for u in plan.units for p in u.params if p.kept)
+    kept = (p for u in plan.units for p in u.params if p.mapped)
     return sorted(f"{p.fqn} {dtype_name(p.compute)}" for p in kept)
 
 
@@ -151,7 +152,6 @@ class Training:
         self._units = [
             (u.name, self.ours.get_submodule(names[id(u.modules[0])])) for u in plan.units
         ]
-        self._owner = {f: u.name for u in plan.units for p in u.params for f in (p.fqn, *p.aliases)}
         self.reference_note: str | None = None
         try:
             wrap_separate_units(self.ref, plan)
@@ -199,7 +199,7 @@ class Training:
                     for handle in markers:
                         handle.remove()
                     for fqn, seen in probe.seen.items():
-                        gathered = rows[self._owner[fqn]]["gathered"]
+                        gathered = rows[self.plan.unit_names[fqn]]["gathered"]
                         key = dtype_name(seen.dtype)
                         gathered[key] = gathered.get(key, 0) + seen.numel
                 micro_losses.append(loss.detach())
@@ -264,7 +264,7 @@ class Training:
         except RuntimeError as exc:
             if "dtype" not in str(exc):
                 raise
-            kept = sorted(p.fqn for u in self.plan.units for p in u.params if p.kept)
+            kept = sorted(p.fqn for u in self.plan.units for p in u.params if p.mapped)
             first = str(exc).splitlines()[0]
             raise RuntimeError(
                 f"the forward failed with {len(kept)} kept parameters ({', '.join(kept[:3])}"

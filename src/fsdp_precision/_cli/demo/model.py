@@ -28,7 +28,7 @@ DEFAULT_HF = "deepseek_v3"
 def transformers_available() -> bool:
     """Whether Hugging Face transformers can be imported."""
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  # lazy: an optional dependency
     except ImportError:
         return False
     return True
@@ -82,7 +82,7 @@ def _builtin(dim: int, depth: int) -> DemoModel:
 
 
 def _deepseek_v3(dim: int, depth: int) -> DemoModel:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # lazy: an optional dependency
 
     heads = 4
     config = DeepseekV3Config(
@@ -107,7 +107,7 @@ def _deepseek_v3(dim: int, depth: int) -> DemoModel:
         max_position_embeddings=64,
         use_cache=False,
     )
-    import transformers
+    import transformers  # lazy: an optional dependency
 
     return DemoModel(
         name=f"DeepseekV3ForCausalLM (transformers {transformers.__version__}) hidden={dim} "

@@ -17,28 +17,5 @@ One module per job:
 
 Every tensor keeps its own dtype: a unit that stores some parameters in fp32 and others in bf16
 saves and loads each in its own dtype. Every error is a :class:`CheckpointError` naming the path
-and the fix. See ``docs/checkpoints.md``.
+and the fix. Public through :mod:`fsdp_precision.checkpoint`; see ``docs/checkpoints.md``.
 """
-
-from __future__ import annotations
-
-from fsdp_precision._train.checkpoint.atomic import METADATA_FILE
-from fsdp_precision._train.checkpoint.export import export_safetensors
-from fsdp_precision._train.checkpoint.metadata import read_checkpoint_metadata
-from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
-from fsdp_precision._train.checkpoint.state import (
-    StateDictType,
-    load_model_state_dict,
-    model_state_dict,
-)
-
-__all__ = [
-    "METADATA_FILE",
-    "StateDictType",
-    "export_safetensors",
-    "load_checkpoint",
-    "load_model_state_dict",
-    "model_state_dict",
-    "read_checkpoint_metadata",
-    "save_checkpoint",
-]

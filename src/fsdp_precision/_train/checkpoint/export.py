@@ -54,7 +54,7 @@ def export_safetensors(
         )
     out = Path(out_dir)
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: an optional dependency
     except ImportError as exc:
         raise CheckpointError(
             f"export_safetensors to '{out}' needs the safetensors package, which is not "

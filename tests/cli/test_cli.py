@@ -1,0 +1,278 @@
+"""The ``fsdp-precision`` command line, run as users run it (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import ROOT
+from tests.support.hf_models import requires_transformers_5
+
+CLI = [sys.executable, "-m", "fsdp_precision"]
+TESTS = str(ROOT)  # subprocesses import tests.support
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
+}
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
+    )
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"]])
+def test_help(args: list[str]) -> None:
+    out = run(*CLI, *args)
+    assert out.returncode == 0 and "usage: fsdp-precision" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be an integer >= 1, got 0"),
+        (["--steps", "1"], "--steps must be an integer >= 2, got 1"),
+        (["--resume-nproc", "0"], "--resume-nproc must be an integer >= 1, got 0"),
+        (["--dim", "30"], "--dim must be a multiple of 4 (4 attention heads), got 30"),
+        (["--model", "gpt2"], "--model 'gpt2' is not one of auto, builtin, hf:deepseek_v3"),
+        (["--keep", "*norm.weight=int8"], "--keep '*norm.weight=int8': dtype 'int8' is not one"),
+        (
+            ["--model", "builtin", "--keep", "nothing.here"],
+            "precision rule glob 'nothing.here' -> float32 matches no parameter of TinyDecoder",
+        ),
+        (["--output-dir", __file__], "exists and is not a directory"),
+    ],
+)
+def test_bad_demo_options_are_one_line_errors(args: list[str], message: str, capsys) -> None:
+    # In process: every one of these is refused before a process is started.
+    from fsdp_precision._cli import main
+
+    assert main(["demo", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsdp-precision: error: "), lines
+    assert message in lines[0]
+
+
+def _check_builtin_demo(stdout: str) -> None:
+    # Per unit, the dtypes observed on the gathered parameters (FSDP hooks, not the plan).
+    assert "blocks.0   bfloat16 49,536, float32 256" in stdout
+    assert "<root>     bfloat16 32,768, float32 64" in stdout
+    assert (
+        "5 all-gathers + 3 reduce-scatters per forward+backward (separate fp32 units: 19 + 10)"
+        in stdout
+    )
+    assert "parity      vs separate fp32 units: bitwise identical" in stdout
+    assert "resumed     on 1 process: bitwise identical to the uninterrupted run" in stdout
+
+
+@pytest.mark.distributed
+def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
+    out = run(*CLI, "demo", "--model", "builtin", "--steps", "2", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check_builtin_demo(out.stdout)
+    assert "checkpoint  sharded, step 1, " in out.stdout and f"kept in {tmp_path}" in out.stdout
+    from fsdp_precision.checkpoint import read_checkpoint_metadata
+
+    meta = read_checkpoint_metadata(tmp_path / "checkpoint")
+    assert (meta["step"], meta["world_size"], meta["state_dict_type"]) == (1, 2, "sharded")
+    resume = json.loads((tmp_path / "resume.json").read_text())
+    assert resume["world_size"] == 1 and resume["differ"] == []
+    assert resume["losses"] == resume["expected_losses"] and len(resume["losses"]) == 1
+
+
+@pytest.mark.distributed
+def test_demo_default_model_is_deepseek_v3_with_its_router_in_fp32() -> None:
+    pytest.importorskip("transformers")
+    out = run(*CLI, "demo", "--steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "model: DeepseekV3ForCausalLM (transformers" in out.stdout
+    assert "model.layers.1 bfloat16 44,736, float32 256" in out.stdout  # the router, gathered fp32
+    assert "model.layers.0 bfloat16 38,592 " in out.stdout  # the dense layer has no router
+    assert (
+        "7 all-gathers + 4 reduce-scatters per forward+backward (separate fp32 units: 11 + 6)"
+        in out.stdout
+    )
+    assert "parity      vs separate fp32 units: bitwise identical" in out.stdout
+    assert "resumed     on 1 process: bitwise identical to the uninterrupted run" in out.stdout
+    assert "removed (keep it with --output-dir DIR)" in out.stdout
+
+
+@pytest.mark.distributed
+def test_demo_under_torchrun_resumes_on_spawned_processes() -> None:
+    out = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        "-m",
+        "fsdp_precision",
+        "demo",
+        "--model",
+        "builtin",
+        "--steps",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check_builtin_demo(out.stdout)
+
+
+@pytest.mark.distributed
+def test_demo_names_a_kept_module_that_does_not_cast_its_inputs() -> None:
+    # The negative control of the demo's own checks: a rule the model cannot honour fails
+    # loudly, with the reason, instead of training with promoted activations.
+    out = run(*CLI, "demo", "--model", "builtin", "--keep", "*qkv.weight", "--steps", "2")
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("fsdp-precision: demo failed: RuntimeError: the forward failed with")
+    assert "blocks.0.qkv.weight" in last and "the activation boundary is not moved" in last
+
+
+def _resume_result(*, nproc: int, resume_nproc: int, losses, expected, differ):
+    from fsdp_precision._cli.demo.results import ResumeResult
+
+    return ResumeResult(
+        world_size=resume_nproc, checkpoint_step=2, checkpoint_world_size=nproc,
+        checkpoint_files=3, checkpoint_bytes=2048, losses=losses, expected_losses=expected,
+        parameters=3, differ=differ, max_abs_diff=0.01 if differ else 0.0, seconds=1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nproc", "resume_nproc", "losses", "differ", "ok"),
+    [
+        (2, 1, [3.0, 2.0], [], True),  # bitwise
+        (2, 1, [3.0, 2.0], ["w"], False),  # one parameter differs where bitwise is expected
+        (2, 1, [3.0, 2.0000001], [], False),  # a loss differs where bitwise is expected
+        (3, 2, [3.0, 2.0000001], ["w"], True),  # 3 and 2 ranks sum in another order: tolerance
+        (3, 2, [3.0, 2.1], ["w"], False),  # beyond the tolerance
+    ],
+)
+def test_demo_resume_verdict(nproc, resume_nproc, losses, differ, ok):
+    result = _resume_result(
+        nproc=nproc, resume_nproc=resume_nproc, losses=losses, expected=[3.0, 2.0], differ=differ
+    )
+    assert result.ok is ok
+    assert result.bitwise_expected == ({nproc, resume_nproc} <= {1, 2})
+
+
+@requires_transformers_5
+def test_plan_json_for_a_hub_architecture_on_meta() -> None:
+    pytest.importorskip("transformers")
+    out = run(*CLI, "plan", "hf:deepseek_v3", "--world-size", "64", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["model"] == "DeepseekV3ForCausalLM"
+    moe = next(u for u in data["units"] if u["name"] == "model.layers.3")
+    assert moe["policy"]["param_dtype_map"] == {"mlp.gate.weight": "float32"}
+    assert data["memory_per_rank_bytes"]["adamw_state"] > 0
+    assert data["alternatives"]["separate_units"]["units"] == data["totals"]["units"] + 58
+
+
+def test_plan_table_for_module_callable_with_keep_rules() -> None:
+    out = run(
+        *CLI,
+        "plan",
+        "tests.support.models:Net",
+        "--min-params",
+        "900",
+        "--keep",
+        "*norm.weight",
+        "--keep",
+        "*gate.weight=fp16",
+        "--world-size",
+        "2",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "blocks.0.gate.weight" in out.stdout and "-> float16" in out.stdout
+    assert "memory per rank at world size 2" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("hf:no_such_arch", "transformers knows no model_type 'no_such_arch'"),
+        ("nonsense", "is not hf:<model_type>, a directory with config.json, or module:callable"),
+        ("tests.support.models:Nope", "cannot import Nope from tests.support.models"),
+    ],
+)
+def test_plan_bad_model_is_one_line(model: str, message: str) -> None:
+    if model.startswith("hf:"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            message = "needs Hugging Face transformers, which is not installed"
+    out = run(*CLI, "plan", model)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("fsdp-precision: error: ") and message in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("model", "unit", "expected_map"),
+    [
+        # t5-small's blocks are under the 10M auto-wrap threshold: one root unit, wo kept.
+        ("hf:t5", "<root>", {"encoder.block.0.layer.1.DenseReluDense.wo.weight": "float32"}),
+        # gpt-oss declares its norms for fp16 (_keep_in_fp32_modules).
+        (
+            "hf:gpt_oss",
+            "model.layers.0",
+            {"input_layernorm.weight": "float32", "post_attention_layernorm.weight": "float32"},
+        ),
+    ],
+)
+def test_plan_json_for_t5_and_gpt_oss_at_fp16(
+    model: str, unit: str, expected_map: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from fsdp_precision._cli import main
+
+    assert main(["plan", model, "--precision", "fp16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    got = next(u for u in data["units"] if u["name"] == unit)["policy"]["param_dtype_map"]
+    assert expected_map.items() <= got.items(), got
+    assert all(dtype == "float32" for dtype in got.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nproc": 0}, r"--nproc must be an integer >= 1, got 0"),
+        ({"steps": True}, r"--steps must be an integer >= 2, got True"),
+        ({"resume_nproc": 0}, r"--resume-nproc must be an integer >= 1, got 0"),
+        ({"precision": "fp32"}, r"--precision must be bf16 or fp16, got 'fp32'"),
+        ({"keep": ("*x=fp8",)}, r"--keep '\*x=fp8': dtype 'fp8' is not one of fp32, bf16, fp16"),
+        ({"model": "hf:llama"}, r"--model 'hf:llama' is not one of auto, builtin, hf:deepseek_v3"),
+    ],
+)
+def test_demo_options_are_validated_on_construction(kwargs: dict[str, Any], message: str) -> None:
+    from fsdp_precision._cli.demo.command import DemoOptions
+
+    with pytest.raises(ValueError, match=message):
+        DemoOptions(**{"model": "builtin", **kwargs})
+
+
+def test_demo_reference_refuses_a_map_separate_units_cannot_express() -> None:
+    # Keeping a Linear's weight but not its bias: no fully_shard unit of its own can hold both
+    # dtypes, so the demo says why it skips the reference (and runs the resume check only).
+    import torch.nn as nn
+
+    from fsdp_precision import Glob, ParamDtypeMapError, PrecisionRules, compile_param_dtype_maps
+    from fsdp_precision.testing import wrap_separate_units
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = compile_param_dtype_maps(
+        model, PrecisionRules(rules=(Glob("0.weight"),), hf_keep_in_fp32=False), [model]
+    )
+    with pytest.raises(ParamDtypeMapError, match=r"separate units cannot express this plan: "):
+        wrap_separate_units(model, plan)
+    assert not hasattr(model, "_get_fsdp_state")  # refused before anything was wrapped

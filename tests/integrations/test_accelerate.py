@@ -1,0 +1,257 @@
+"""accelerate's FSDP2 plugin and the HF Trainer, with the real packages, on 2 CPU ranks (gloo).
+
+accelerate makes the ``fully_shard`` calls (each decoder layer, the input embedding, a grouped
+``[norm, lm_head]`` call, the root) with the one policy object it was given. With
+``model_policy`` that object keeps DeepSeek-V3's ``_keep_in_fp32_modules_strict`` router gates
+in fp32; accelerate's plain policy gathers them in bf16 (the negative control), with the same
+collectives. On CPU accelerate would fall back to DDP: ``accelerate_fsdp2_on_cpu`` turns FSDP2
+back on, and every case asserts that the parameters really are DTensors.
+
+Parity: through accelerate (one step) and the Trainer (2 ``train()`` steps), ``model_policy`` is
+bitwise equal to the separate-units reference, each gate its own fp32 unit made before the
+framework's calls with the plain policy; the plain policy alone is not (the Trainer case checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+import fsdp_precision as fp
+from fsdp_precision.integrations import (
+    accelerate_fsdp2_on_cpu,
+    cpu_fsdp2_trainer,
+    trainer_fsdp_policy,
+)
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+
+from tests.support.harness import collect_cases, distributed_suite, fresh_accelerate_state
+from tests.support.hf_models import deepseek_v3
+
+accelerate = pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (pip install '.[accelerate]')"
+)
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+bf16, fp32 = torch.bfloat16, torch.float32
+RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32)  # + the model's declarations
+
+
+def gates(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    return {"input_ids": ids, "labels": ids}
+
+
+def separate_gate_units(model: nn.Module) -> None:
+    """The separate-units reference: each router gate its own fp32 unit (param_dtype=None, the
+    gates are stored in fp32), made before the framework's ``fully_shard`` calls."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in gates(model):
+        gate = model.get_submodule(name.rsplit(".", 1)[0])
+        fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
+
+
+def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for``: 'model' (model_policy),
+    'plain' (accelerate's plain policy) or 'separate' (each gate its own param_dtype=None unit,
+    wrapped before prepare, then the plain policy: the separate-units reference)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    fresh_accelerate_state()
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    policy = (
+        fp.model_policy(model, RULES)
+        if policy_for == "model"
+        else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    )
+    if policy_for == "separate":
+        separate_gate_units(model)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
+    )
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin)
+    accelerate_fsdp2_on_cpu(accelerator, plugin)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = accelerator.prepare(model, optim)
+    assert accelerator.is_fsdp2
+    assert plugin.mixed_precision_policy is policy  # accelerate kept the object
+    return model, optim, accelerator
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, accelerator: object):  # type: ignore[no-untyped-def]
+    with CollectiveRecorder() as recorder, GatherProbe(model) as probe:
+        loss = model(**batch()).loss
+        accelerator.backward(loss)  # type: ignore[attr-defined]
+    optim.step()
+    optim.zero_grad()
+    assert torch.isfinite(loss)
+    kinds = [c.kind for c in recorder.calls]
+    return {k: v.dtype for k, v in probe.seen.items()}, (
+        kinds.count("all_gather"),
+        kinds.count("reduce_scatter"),
+    )
+
+
+def case_accelerate_fsdp2_keeps_the_router_gates_in_fp32() -> None:
+    model, optim, accelerator = prepared("model")
+    names = [n for n, _ in model.named_parameters()]
+    not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not not_sharded, not_sharded  # FSDP2 wrapped it, not DDP
+    seen, counts = train_step(model, optim, accelerator)
+    assert len(seen) == len(names)
+    kept = gates(model)
+    assert kept and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+    assert all(d == bf16 for n, d in seen.items() if n not in kept)
+    seen, _ = train_step(model, optim, accelerator)  # a second step runs the same way
+    # Negative control: accelerate's plain policy gathers the gates in bf16, with exactly the
+    # same collectives (the kept gates cost no unit).
+    plain, plain_optim, plain_accelerator = prepared("plain")
+    plain_seen, plain_counts = train_step(plain, plain_optim, plain_accelerator)
+    assert all(plain_seen[n] == bf16 for n in kept)
+    assert counts == plain_counts, (counts, plain_counts)
+    assert counts[0] > 0 and counts[1] > 0
+
+
+def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> None:
+    """Parity: the same step through accelerate, the gates inside their layers' units (one
+    policy) or as separate fp32 units (more collectives), gives bitwise the same loss and
+    gradients."""
+    results = {}
+    for variant in ("model", "separate"):
+        model, _, accelerator = prepared(variant)
+        loss = model(**batch()).loss
+        accelerator.backward(loss)  # type: ignore[attr-defined]
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        results[variant] = (loss.detach(), grads)
+    (loss, grads), (ref_loss, ref_grads) = results["model"], results["separate"]
+    assert torch.equal(loss, ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == ref_grads[name].dtype and torch.equal(grad, ref_grads[name]), name
+
+
+TRAINER_RECORDS = ("loss", "grad_norm", "learning_rate", "epoch")  # logged every step
+
+
+def trainer_train(policy_for: str) -> tuple[Any, Any, MixedPrecisionPolicy]:
+    """2 HF Trainer steps of a tiny DeepSeek-V3 under FSDP2 with the policy ``policy_for`` (as in
+    :func:`prepared`), the policy given through ``trainer_fsdp_policy``; returns
+    (trainer, the ``train()`` result, the policy)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    fresh_accelerate_state()
+
+    CpuFsdp2Trainer = cpu_fsdp2_trainer(Trainer)  # accelerate drops FSDP on CPU
+
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    policy = (
+        fp.model_policy(model, RULES)
+        if policy_for == "model"
+        else MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    )
+    if policy_for == "separate":
+        separate_gate_units(model)  # before the Trainer: accelerate wraps around them
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, use_cpu=True, bf16=True, fsdp=True, max_steps=2,
+            per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
+        )  # fmt: skip
+        trainer_fsdp_policy(args, policy)
+        data = [{k: v[0] for k, v in batch().items()} for _ in range(4)]
+        trainer = CpuFsdp2Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.accelerator.state.fsdp_plugin.mixed_precision_policy is policy
+        result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    wrapped = trainer.model_wrapped
+    assert all(isinstance(p, DTensor) for p in wrapped.parameters())
+    return trainer, result, policy
+
+
+def trained_state(
+    trainer: Any, result: Any
+) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """The per-step log records (loss, grad norm, ...) with the final training loss, and every
+    parameter gathered, after training."""
+    history = [{k: r[k] for k in TRAINER_RECORDS} for r in trainer.state.log_history if "loss" in r]
+    history.append({"training_loss": result.training_loss})
+    wrapped = trainer.model_wrapped
+    return history, {n: p.detach().full_tensor() for n, p in wrapped.named_parameters()}
+
+
+def case_trainer_takes_the_policy_through_fsdp_plugin_args() -> None:
+    trainer, _, _ = trainer_train("model")
+    wrapped = trainer.model_wrapped
+    with GatherProbe(wrapped) as probe, torch.no_grad():
+        wrapped(**batch())
+    assert all(probe.seen[n].dtype == fp32 for n in gates(wrapped))
+
+
+def case_trainer_model_policy_trains_bitwise_like_separate_fp32_units() -> None:
+    """Parity: 2 Trainer steps, the gates inside their layers' units (``model_policy``) or as
+    separate fp32 units made before the Trainer (accelerate wraps around them, plain policy),
+    log the same losses and gradient norms (the norm that gradient clipping, on by default with
+    ``max_grad_norm=1.0``, divides by) and end with the same parameters, bitwise."""
+    runs = {v: trained_state(*trainer_train(v)[:2]) for v in ("model", "separate", "plain")}
+    (history, params), (ref_history, ref_params) = runs["model"], runs["separate"]
+    assert len(history) == 3 and history == ref_history, (history, ref_history)
+    assert params.keys() == ref_params.keys()
+    for name, param in params.items():
+        assert param.dtype == ref_params[name].dtype and torch.equal(param, ref_params[name]), name
+    # Negative control: the plain policy (gates gathered in bf16) trains differently, so the
+    # equality above would fail if model_policy gathered the gates in bf16.
+    plain_history, plain_params = runs["plain"]
+    assert plain_history != ref_history, plain_history
+    kept = [n for n in params if n.endswith("mlp.gate.weight")]
+    assert kept and not any(torch.equal(plain_params[n], ref_params[n]) for n in kept), kept
+
+
+def test_trainer_fsdp_policy_refuses_args_without_fsdp2() -> None:
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"TrainingArguments does not enable FSDP2"):
+        trainer_fsdp_policy(args, MixedPrecisionPolicy())
+    with pytest.raises(TypeError, match=r"policy must be a MixedPrecisionPolicy"):
+        trainer_fsdp_policy(args, {"param_dtype": bf16})  # type: ignore[arg-type]
+
+
+def test_integration_helpers_refuse_what_they_cannot_take() -> None:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+
+    from fsdp_precision.integrations import cpu_fsdp2_trainer, transformers_native_fsdp
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)  # one process: no multi-process CPU state
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        with pytest.raises(RuntimeError, match=r"accelerate_fsdp2_on_cpu needs a multi-process"):
+            accelerate_fsdp2_on_cpu(accelerator, plugin)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(TypeError, match=r"object has no create_accelerator_and_postprocess"):
+        cpu_fsdp2_trainer(object)
+    with pytest.raises(TypeError, match=r"rules must be a PrecisionRules, got str"):
+        with transformers_native_fsdp("bf16"):  # type: ignore[arg-type]
+            pass
+
+
+CASES = collect_cases(globals())
+
+results, test_accelerate = distributed_suite(2, __name__, CASES)

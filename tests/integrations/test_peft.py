@@ -1,0 +1,102 @@
+"""PEFT LoRA with the real package: fp32 adapters beside a frozen bf16 base inside one unit.
+
+The layout is PEFT's own: ``get_peft_model(bf16 model, LoraConfig, autocast_adapter_dtype=True)``
+keeps the adapters in fp32. Through ``wrap_model_for_training`` and through ``model_policy``
+(the way frameworks that call ``fully_shard`` themselves would pass it), on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import fsdp_precision as fp
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+
+from tests.support.harness import collect_cases, distributed_suite
+from tests.support.hf_models import tiny_llama
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install '.[peft]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+bf16, fp32 = torch.bfloat16, torch.float32
+RULES = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("*lora_*"),))
+
+
+def lora_model() -> nn.Module:
+    base = tiny_llama(64, bf16)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(base, lora, autocast_adapter_dtype=True)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.base_model.model.model.layers)
+
+
+def step(model: nn.Module) -> tuple[dict[str, torch.dtype], CollectiveRecorder]:
+    """One forward/backward; what each unit gathered and every collective."""
+    with CollectiveRecorder() as recorder, GatherProbe(model) as probe:
+        model(**batch()).loss.backward()
+    return {k: v.dtype for k, v in probe.seen.items()}, recorder
+
+
+def check_layout(model: nn.Module, seen: dict[str, torch.dtype]) -> None:
+    adapters = [n for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(seen[n] == fp32 for n in adapters), {n: seen[n] for n in adapters}
+    assert all(d == bf16 for n, d in seen.items() if "lora_" not in n)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name  # FSDP2 sharded it
+        if param.requires_grad:
+            assert "lora_" in name and param.grad is not None and param.grad.dtype == fp32
+        else:
+            assert param.dtype == bf16 and param.grad is None  # the frozen base
+
+
+def counts(recorder: CollectiveRecorder) -> tuple[int, int]:
+    ops = [c.kind for c in recorder.calls]
+    return ops.count("all_gather"), ops.count("reduce_scatter")
+
+
+def case_wrap_model_for_training_keeps_adapters_in_fp32() -> None:
+    model = lora_model()
+    config = fp.DistributedConfig(
+        fsdp_auto_wrap_policy="transformer_block",
+        fsdp_mixed_precision=fp.PrecisionRules(rules=(fp.Glob("*lora_*"),)),
+    )
+    model = fp.wrap_model_for_training(model, config)
+    seen, _ = step(model)
+    check_layout(model, seen)
+
+
+def case_model_policy_keeps_adapters_in_fp32_with_no_extra_collectives() -> None:
+    model = lora_model()
+    policy = fp.model_policy(model, RULES)
+    for layer in layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    seen, recorder = step(model)
+    check_layout(model, seen)
+    # Negative control: the same units with a plain policy gather the adapters in bf16, with the
+    # same collectives: the kept adapters cost no extra unit.
+    plain = lora_model()
+    mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    for layer in layers(plain):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(plain, mp_policy=mp)
+    plain_seen, plain_recorder = step(plain)
+    assert all(d == bf16 for d in plain_seen.values()), plain_seen
+    # 2 layer units gathered in forward and backward + the root once; reduce-scatters only where
+    # something trains (the root holds the frozen embedding, norm and head).
+    assert counts(recorder) == counts(plain_recorder) == (5, 2), counts(recorder)
+
+
+CASES = collect_cases(globals())
+
+results, test_peft = distributed_suite(2, __name__, CASES)
