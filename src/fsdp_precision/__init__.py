@@ -53,6 +53,7 @@ from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
 from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules
 from fsdp_precision._plan.units import auto_wrap_units, default_units
+from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases import SUPPORTED_RELEASES
 from fsdp_precision._train.config import PRESETS, DistributedConfig
@@ -69,6 +70,7 @@ __all__ = [
     "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
+    "ModuleCast",
     "ModuleClass",
     "ParamDtypeMapError",
     "ParamDtypeMixedPrecisionPolicy",

@@ -3,6 +3,7 @@
 >>> from fsdp_precision import hf
 >>> hf.keep_in_fp32_declarations(model, torch.bfloat16)  # doctest: +SKIP
 >>> hf.cast_keeping_fp32(model, torch.bfloat16)          # what from_pretrained(dtype=bf16) keeps
+>>> hf.cast_keeping_fp32(model, torch.bfloat16, rules=rules)  # and what your rules keep
 >>> hf.load_state_dict_aligned(model, state_dict)        # each tensor cast to its destination
 
 The semantics follow the installed library (see ``docs/rules.md``): ``_keep_in_fp32_modules``
@@ -13,13 +14,14 @@ model wherever it sits in the module tree and matched on the keys ``from_pretrai
 
 from __future__ import annotations
 
-from fsdp_precision._hf.cast import (
-    cast_keeping_fp32,
-    keep_in_fp32_declarations,
-    kept_fqns,
-    load_state_dict_aligned,
-)
+import torch
+import torch.nn as nn
+
+from fsdp_precision._hf import cast as _cast
+from fsdp_precision._hf.cast import keep_in_fp32_declarations, kept_fqns, load_state_dict_aligned
 from fsdp_precision._hf.declarations import Declaration, library_of
+from fsdp_precision._plan.claims import claim_params, fqns_by_param
+from fsdp_precision._plan.rules import PrecisionRules
 
 __all__ = [
     "Declaration",
@@ -29,3 +31,32 @@ __all__ = [
     "library_of",
     "load_state_dict_aligned",
 ]
+
+
+def cast_keeping_fp32(
+    model: nn.Module, dtype: torch.dtype, *, rules: PrecisionRules | None = None
+) -> nn.Module:
+    """Give ``model`` the storage ``from_pretrained(dtype=dtype)`` produces, tensor by tensor,
+    and keep what ``rules`` keep.
+
+    Floating parameters and persistent buffers are cast to ``dtype``, except the model's
+    declared keeps, which stay in fp32 with every alias of a tied kept tensor (unlike
+    ``model.to(dtype)``, which undoes the declarations). Non-persistent buffers keep their
+    dtype: ``from_pretrained`` never loads them (rotary ``inv_freq`` stays fp32). Declarations
+    follow the installed library, through wrappers (a ``PeftModel``) and tie targets.
+
+    ``rules``: the :class:`~fsdp_precision.PrecisionRules` you will plan with; every parameter
+    a user rule claims stays in the rule's dtype (when wider than ``dtype``), so the plan finds
+    nothing lost. Call it on an fp32 model (build or load it in fp32). In place; returns
+    ``model``; tied tensors stay tied.
+    """
+    if rules is not None and not isinstance(rules, PrecisionRules):
+        raise TypeError(f"rules must be a PrecisionRules, got {type(rules).__name__}")
+    keep: dict[str, torch.dtype] = {}
+    if rules is not None and rules.rules:
+        fqns_of = fqns_by_param(model)
+        claimed, _ = claim_params(model, rules, (), fqns_of)
+        for pid, (kept, rule) in claimed.items():
+            if rule in rules.rules and kept.itemsize > dtype.itemsize:
+                keep[fqns_of[pid][0]] = kept
+    return _cast.cast_keeping_fp32(model, dtype, keep=keep)

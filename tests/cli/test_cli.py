@@ -130,11 +130,15 @@ def test_demo_under_torchrun_resumes_on_spawned_processes() -> None:
 def test_demo_names_a_kept_module_that_does_not_cast_its_inputs() -> None:
     # The negative control of the demo's own checks: a rule the model cannot honour fails
     # loudly, with the reason, instead of training with promoted activations.
+    # A kept matrix returns its outputs in fp32 under boundary="auto"; the next bf16 matmul
+    # refuses them, and the note names the module and the fix.
     out = run(*CLI, "demo", "--model", "builtin", "--keep", "*qkv.weight", "--steps", "2")
     assert out.returncode == 1
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("fsdp-precision: demo failed: RuntimeError: the forward failed with")
-    assert "blocks.0.qkv.weight" in last and "the activation boundary is not moved" in last
+    lines = out.stderr.strip().splitlines()
+    assert lines[-2].startswith("fsdp-precision: demo failed: RuntimeError: expected m1 and m2")
+    assert lines[-1].startswith("fsdp-precision: this dtype mismatch in the Block came after")
+    assert "'qkv' (Linear) returned float32 for bfloat16 inputs" in lines[-1]
+    assert "boundary='inputs_outputs'" in lines[-1]
 
 
 def _resume_result(*, nproc: int, resume_nproc: int, losses, expected, differ):

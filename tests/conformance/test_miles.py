@@ -228,9 +228,9 @@ def test_a_shared_parameter_gets_one_canonical_entry_and_both_aliases_gather_it(
 def test_none_is_an_empty_map() -> None:
     assert mapped(None).param_dtype_map == {} == mapped({}).param_dtype_map
     assert mapped(None) == mapped({})
-    from fsdp_precision._policy.refusals import has_map
+    from fsdp_precision._policy.refusals import needs_resolution
 
-    assert not has_map(mapped(None))  # torch's exact path
+    assert not needs_resolution(mapped(None))  # torch's exact path
 
 
 CASES = [

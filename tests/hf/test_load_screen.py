@@ -5,21 +5,14 @@ docs/rules.md."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.support import load_script
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("diffusers", reason="diffusers is not installed")
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "screen_hf_load.py"
-_spec = importlib.util.spec_from_file_location("screen_hf_load", _PATH)
-assert _spec is not None and _spec.loader is not None
-screen = importlib.util.module_from_spec(_spec)
-sys.modules["screen_hf_load"] = screen
-_spec.loader.exec_module(screen)
+screen = load_script("scripts/screen_hf_load.py")
 
 #: Each with a kind of declaration: ``wo`` (T5), strict router lists and rotary buffers
 #: (DeepSeek-V3), norms (GPT-OSS), a whole sub-model (BLIP-2's ``qformer``, at fp16).

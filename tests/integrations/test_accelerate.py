@@ -124,6 +124,28 @@ def case_accelerate_fsdp2_keeps_the_router_gates_in_fp32() -> None:
     assert counts[0] > 0 and counts[1] > 0
 
 
+def case_accelerate_units_are_the_calls_accelerate_makes() -> None:
+    """``--units accelerate`` (``accelerate_units``) plans the calls accelerate really makes:
+    the same modules become units, grouped the same way."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_precision._plan.units import accelerate_units
+
+    planned_model = deepseek_v3()
+    names = {id(m): n for n, m in planned_model.named_modules()}
+    planned = [
+        [names[id(m)] for m in (u if isinstance(u, list) else [u])]
+        for u in accelerate_units(planned_model)
+    ]
+    model, _, _ = prepared("plain")
+    states: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            states.setdefault(id(module._get_fsdp_state()), []).append(name)
+    assert sorted(map(sorted, states.values())) == sorted(map(sorted, planned))
+    assert any(len(call) > 1 for call in planned)  # the grouped [norm, lm_head] call
+
+
 def case_accelerate_model_policy_is_bitwise_equal_to_separate_fp32_units() -> None:
     """Parity: the same step through accelerate, the gates inside their layers' units (one
     policy) or as separate fp32 units (more collectives), gives bitwise the same loss and

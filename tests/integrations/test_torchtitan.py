@@ -15,7 +15,9 @@ torchtitan's signature, in a job config from its own ``ConfigManager``, called o
 CPU stand-ins, both outside the units: torchtitan's language models use flex (or varlen)
 attention, which has no CPU backward, so the blocks use its ``ScaledDotProductAttention``; and
 its router computes the gate under ``torch.autocast(dtype=float32)``, which casts the gate's
-input on CUDA but is disabled on CPU, so a forward pre-hook casts it instead. And gloo has no
+input on CUDA but is disabled on CPU: the recipe's boundary cast (the rule's ``boundary="auto"``)
+casts it on any device, and a forward pre-hook stands in for the CUDA autocast where torchtitan's
+own units run (the negative controls and the separate-units reference). And gloo has no
 PREMUL_SUM for torchtitan's gradient divide factor of 1, so the units reduce with SUM. For the
 wiring: ``ParallelDims`` builds its mesh on ``torchtitan.tools.utils.device_type``, "cuda" on a
 machine without a GPU, so it is set to "cpu"; and the job config sets
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import fsdp_precision as fp
+from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support.harness import collect_cases, distributed_suite
@@ -50,58 +54,17 @@ pytest.importorskip(
 )
 
 bf16, fp32 = torch.bfloat16, torch.float32
-RULES = fp.PrecisionRules(
-    param_dtype=bf16,
-    reduce_dtype=fp32,
-    cast_forward_inputs=False,  # as apply_fsdp_to_decoder
-    rules=(fp.Glob("*moe.router.gate.weight"),),
-)
-VOCAB, SEQ = 64, 8
 
-
-def parallelize_with_model_policy(model: Any, dp_mesh: Any, rules: fp.PrecisionRules) -> Any:
-    """The recipe: apply_fsdp_to_decoder's units (no weight tying, no EP), one model_policy."""
-    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
-
-    policy = fp.model_policy(model, rules)
-    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=policy)
-    fully_shard([model.norm, model.lm_head], mesh=dp_mesh, mp_policy=policy,
-                reshard_after_forward=False)  # fmt: skip
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    disable_fsdp_gradient_division(model)
-    return model
-
-
-def parallelize_qwen3_with_model_policy(
-    model: Any, *, parallel_dims: Any, training: Any, parallelism: Any, skip_dp: bool = False,
-    **rest: Any,
-) -> Any:  # fmt: skip
-    """A ``ModelSpec.parallelize_fn`` with torchtitan's signature: its ``parallelize_qwen3``
-    without the FSDP step (TP/EP/CP, activation checkpointing, compile), then the recipe's
-    units with the job config's dtypes and the router gates in fp32."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-    from torchtitan.models.qwen3 import parallelize_qwen3
-
-    if not skip_dp and (parallelism.spmd_backend != "partial_dtensor" or parallel_dims.ep_enabled):
-        raise ValueError(
-            f"this recipe covers spmd_backend='partial_dtensor' without expert parallelism, got "
-            f"{parallelism.spmd_backend!r} with ep={parallel_dims.ep}: set "
-            "--parallelism.spmd_backend partial_dtensor and expert_parallel_degree 1"
-        )
-    parallelize_qwen3(model, parallel_dims=parallel_dims, training=training,
-                      parallelism=parallelism, skip_dp=True, **rest)  # fmt: skip
-    if skip_dp:
-        return model
-    rules = fp.PrecisionRules(
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        cast_forward_inputs=False,
-        rules=(fp.Glob("*moe.router.gate.weight"),),
-    )
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    return parallelize_with_model_policy(model, parallel_dims.get_mesh(names), rules)
+# The recipe, from the example users copy (one source): examples/torchtitan_qwen3_moe.py.
+_PATH = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_qwen3_moe.py"
+_spec = importlib.util.spec_from_file_location("torchtitan_qwen3_moe", _PATH)
+assert _spec is not None and _spec.loader is not None
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+RULES, VOCAB, SEQ = recipe.RULES, recipe.VOCAB, recipe.SEQ
+parallelize_with_model_policy = recipe.parallelize_with_model_policy
+parallelize_qwen3_with_model_policy = recipe.parallelize_qwen3_with_model_policy
+tiny_qwen3_moe_config = recipe.tiny_qwen3_moe_config
 
 
 def separate_fp32_gate_units(model: nn.Module, dp_mesh: Any) -> nn.Module:
@@ -112,37 +75,13 @@ def separate_fp32_gate_units(model: nn.Module, dp_mesh: Any) -> nn.Module:
     return model
 
 
-def tiny_qwen3_moe_config() -> Any:
-    """torchtitan's Qwen3 MoE config from its own builders, 2 layers, 4 experts, CPU attention."""
-    from torchtitan.models import qwen3
-    from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.rope import CosSinRoPE
-
-    dim, head_dim = 32, 16
-    config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT
-        ),
-        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
-        layers=qwen3._build_qwen3_moe_layers(
-            n_layers=2, dim=dim, n_heads=2, n_kv_heads=1, head_dim=head_dim, moe_hidden_dim=48,
-            num_experts=4, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * SEQ, theta=1e6),
-        ),
-    )  # fmt: skip
-    for layer in config.layers:  # flex attention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return config
-
-
-def tiny_qwen3_moe() -> Any:
-    """torchtitan's Qwen3 MoE built small on CPU, with the router's fp32 input cast."""
+def tiny_qwen3_moe(autocast_stand_in: bool = True) -> Any:
+    """torchtitan's Qwen3 MoE built small on CPU; with the stand-in for the router's CUDA
+    autocast(float32) unless the recipe's boundary cast does it."""
     torch.manual_seed(0)
     model = tiny_qwen3_moe_config().build()
     model.init_states()
-    return cast_router_inputs(model)
+    return cast_router_inputs(model) if autocast_stand_in else model
 
 
 def cast_router_inputs(model: Any) -> Any:
@@ -189,7 +128,10 @@ def case_recipe_keeps_the_router_gates_in_fp32_with_torchtitans_units() -> None:
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    model = sum_reductions_for_gloo(parallelize_with_model_policy(tiny_qwen3_moe(), mesh, RULES))
+    recipe = tiny_qwen3_moe(autocast_stand_in=False)
+    model = sum_reductions_for_gloo(parallelize_with_model_policy(recipe, mesh, RULES))
+    casts = [n for n, m in model.named_modules() if installed_cast(m) is not None]
+    assert casts == ["layers.0.moe.router", "layers.1.moe.router"], casts  # kept whole
     names = [n for n, _ in model.named_parameters()]
     not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not not_sharded, not_sharded
@@ -218,7 +160,7 @@ def case_recipe_is_bitwise_equal_to_separate_fp32_units() -> None:
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    model = parallelize_with_model_policy(tiny_qwen3_moe(), mesh, RULES)
+    model = parallelize_with_model_policy(tiny_qwen3_moe(autocast_stand_in=False), mesh, RULES)
     ref = separate_fp32_gate_units(tiny_qwen3_moe(), mesh)
     apply_fsdp_to_decoder(ref, mesh, param_dtype=bf16, reduce_dtype=fp32, pp_enabled=False)
     results = []
@@ -261,7 +203,7 @@ def torchtitan_on_cpu(spmd_backend: str) -> Iterator[None]:
         dist_utils.set_spmd_backend(saved[1])
 
 
-def build_as_the_trainer_does(config: Any) -> Any:
+def build_as_the_trainer_does(config: Any, autocast_stand_in: bool) -> Any:
     """Trainer.__init__'s model steps without its loop: ParallelDims from the config, the model
     on meta, ``model_spec.parallelize_fn`` called as the Trainer calls it, then to_empty and
     init_weights."""
@@ -286,7 +228,7 @@ def build_as_the_trainer_does(config: Any) -> Any:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    return sum_reductions_for_gloo(cast_router_inputs(model))
+    return sum_reductions_for_gloo(cast_router_inputs(model) if autocast_stand_in else model)
 
 
 def case_model_spec_parallelize_fn_called_as_torchtitans_trainer_calls_it() -> None:
@@ -310,7 +252,7 @@ def case_model_spec_parallelize_fn_called_as_torchtitans_trainer_calls_it() -> N
         )
         with torchtitan_on_cpu(config.parallelism.spmd_backend):
             torch.manual_seed(0)
-            model = build_as_the_trainer_does(config)
+            model = build_as_the_trainer_does(config, autocast_stand_in=fn is own)
             meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
             assert all(isinstance(p, DTensor) for p in model.parameters())
             assert meshes == {("fsdp",)}, meshes
@@ -337,7 +279,7 @@ def case_torchtitans_default_spmd_backend_cannot_run_here() -> None:
     config.model_spec = dataclasses.replace(config.model_spec, model=tiny_qwen3_moe_config())
     with torchtitan_on_cpu(config.parallelism.spmd_backend):
         with pytest.raises(ValueError, match=r"must be DTensors on the full SPMD mesh"):
-            build_as_the_trainer_does(config)
+            build_as_the_trainer_does(config, autocast_stand_in=True)
         # The recipe refuses it up front, naming the setting.
         config.model_spec = dataclasses.replace(
             config.model_spec, parallelize_fn=parallelize_qwen3_with_model_policy
@@ -345,7 +287,7 @@ def case_torchtitans_default_spmd_backend_cannot_run_here() -> None:
         with pytest.raises(
             ValueError, match=r"covers spmd_backend='partial_dtensor' .* got 'spmd_types'"
         ):
-            build_as_the_trainer_does(config)
+            build_as_the_trainer_does(config, autocast_stand_in=True)
 
 
 CASES = collect_cases(globals())

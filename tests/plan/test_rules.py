@@ -268,15 +268,33 @@ def test_degraded_kept_parameter() -> None:
     compile_param_dtype_maps(fixed, PrecisionRules(param_dtype=None))
 
 
-def test_grouped_unit_cannot_split_a_key() -> None:
+@pytest.mark.usefixtures("world1")
+def test_a_grouped_unit_whose_key_names_two_dtypes_resolves_by_slot() -> None:
+    # blocks.0.norm is kept, blocks.1.norm is not: the grouped call's keys 'weight' and
+    # 'bias' name both. The call resolves by slot, as model_policy's do (accelerate's
+    # [final norm, lm_head] tail is such a call), and trains like the norms wrapped one by one.
+    from fsdp_precision._policy.scope import ModelScopedPolicy
+
+    grouped, separate = clones(Net(), 2)
+    rule = Glob("blocks.0.norm.*")  # kept whole: a boundary cast on blocks.0.norm alone
+    plan = plan_of(grouped, rule, units=[[b.norm for b in grouped.blocks], grouped])
+    policy = plan.units[0].policy
+    assert isinstance(policy, ModelScopedPolicy)
+    assert dict(policy.param_dtype_map) == {
+        "blocks.0.norm.weight": fp32,
+        "blocks.0.norm.bias": fp32,
+    }
+    assert list(plan.module_casts) == ["blocks.0.norm"]
+    assert plan.params_by_fqn["blocks.1.norm.weight"].compute == bf16
+    other = plan_of(separate, rule, units=[*(b.norm for b in separate.blocks), separate])
+    assert not isinstance(other.units[0].policy, ModelScopedPolicy)  # negative control
+    plan.apply()
+    other.apply()
+    train_in_lockstep([grouped, separate], steps=2)
+    # Keys that agree stay a plain per-key map.
     model = Net()
-    norms = [b.norm for b in model.blocks]
-    with pytest.raises(
-        ParamDtypeMapError,
-        match=r"grouped unit \[blocks\.0\.norm, blocks\.1\.norm\] cannot give key 'weight' two dtypes",
-    ):
-        plan_of(model, Glob("blocks.0.norm.weight"), units=[norms, model])
-    plan = plan_of(model, Glob("*norm.weight"), units=[norms, model])
+    plan = plan_of(model, Glob("*norm.weight"), units=[[b.norm for b in model.blocks], model])
+    assert not isinstance(plan.units[0].policy, ModelScopedPolicy)
     assert plan.units[0].param_dtype_map == {"weight": fp32}
 
 
@@ -359,23 +377,30 @@ def test_split_strategy_fail_closed_layouts(make, rules, message) -> None:
 
 def test_split_strategy_kept_in_a_third_dtype_gets_that_param_dtype() -> None:
     # Was refused before separate units were one layout ("kept in float16 but stored in
-    # float32"): the module now gets its own unit with param_dtype=float16, no input cast.
+    # float32"): the module now gets its own unit with param_dtype=float16. Its boundary cast
+    # ("auto": fp16 is not wider than the bf16 activations, so its outputs go back to bf16)
+    # is the unit's input and output casts.
     model = Owned()
-    plan = compile_param_dtype_maps(
-        model,
-        PrecisionRules(rules=(ModuleClass(nn.Linear, fp16),)),
-        [model],
-        layout="separate_units",
-    )
-    (child,) = [u for u in plan.units if u.separate_unit]
-    assert child.name == "lin" and child.policy.param_dtype == fp16
-    assert child.policy.cast_forward_inputs is False
-    assert {p.fqn: p.compute for p in child.params} == {"lin.weight": fp16, "lin.bias": fp16}
-    # Stored in the kept dtype: param_dtype=None (the activation boundary does not move).
-    plan = compile_param_dtype_maps(
-        model, PrecisionRules(rules=(ModuleClass(nn.Linear),)), [model], layout="separate_units"
-    )
-    assert [u.policy.param_dtype for u in plan.units if u.separate_unit] == [None]
+    for boundary, cast_inputs, outputs in [("auto", True, bf16), ("none", False, None)]:
+        plan = compile_param_dtype_maps(
+            model,
+            PrecisionRules(rules=(ModuleClass(nn.Linear, fp16, boundary=boundary),)),
+            [model],
+            layout="separate_units",
+        )
+        (child,) = [u for u in plan.units if u.separate_unit]
+        assert child.name == "lin" and child.policy.param_dtype == fp16
+        assert child.policy.cast_forward_inputs is cast_inputs
+        assert child.policy.output_dtype == outputs
+        assert {p.fqn: p.compute for p in child.params} == {"lin.weight": fp16, "lin.bias": fp16}
+    # Stored in the kept dtype: with no boundary cast, param_dtype=None (the activation
+    # boundary does not move); with one, the unit casts its inputs to fp32.
+    for boundary, param_dtype in [("none", None), ("auto", torch.float32)]:
+        rules = PrecisionRules(rules=(ModuleClass(nn.Linear, boundary=boundary),))
+        plan = compile_param_dtype_maps(model, rules, [model], layout="separate_units")
+        (child,) = [u for u in plan.units if u.separate_unit]
+        assert child.policy.param_dtype == param_dtype
+        assert child.policy.cast_forward_inputs is (boundary == "auto")
 
 
 # ---------------------------------------------------------------------- plans, explain, JSON
@@ -545,7 +570,9 @@ def test_split_strategy_matches_the_patched_plan_bitwise() -> None:
 
     base = Net()
     split_model, patch_model, wrong_model = clones(base, 3)
-    rules = (ModuleClass(nn.LayerNorm), Glob("*gate.weight"))
+    # No boundary casts: the kept units leave the activations where FSDP puts them (the
+    # boundary-cast variant: test_wrap_separate_units_trains_like_the_mapped_plan).
+    rules = (ModuleClass(nn.LayerNorm, boundary="none"), Glob("*gate.weight", boundary="none"))
     split = compile_param_dtype_maps(
         split_model, PrecisionRules(rules=rules), net_units(split_model), layout="separate_units"
     )
@@ -615,18 +642,32 @@ SEPARATE_PARITY = [
 ]
 
 
+def with_boundary(rules: dict, boundary: str) -> dict:
+    return {**rules, "rules": tuple(replace(r, boundary=boundary) for r in rules["rules"])}
+
+
 @pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("boundary", ["none", "auto"])
 @pytest.mark.parametrize(("make", "rules", "kept", "dtype"), SEPARATE_PARITY)
-def test_wrap_separate_units_trains_like_the_mapped_plan(make, rules, kept, dtype) -> None:
+def test_wrap_separate_units_trains_like_the_mapped_plan(
+    make, rules, kept, dtype, boundary
+) -> None:
     from fsdp_precision import testing
     from fsdp_precision._plan.separate import separate_layout
 
     torch.manual_seed(0)
     ours = make()
+    rules = with_boundary(rules, boundary)
     plan = compile_param_dtype_maps(ours, PrecisionRules(**rules), net_units(ours))
     layout = separate_layout(plan)
-    assert [u.policy.param_dtype for u in layout if u.kept] == kept
-    assert all(not u.policy.cast_forward_inputs for u in layout if u.kept)
+    if boundary == "none":  # no cast: the kept units leave the activations alone
+        assert [u.policy.param_dtype for u in layout if u.kept] == kept
+        assert all(not u.policy.cast_forward_inputs for u in layout if u.kept)
+    else:  # the boundary casts are the kept units' own input (and output) casts
+        assert plan.module_casts and all(u.policy.cast_forward_inputs for u in layout if u.kept)
+        assert [u.policy.param_dtype for u in layout if u.kept] == [
+            c.inputs for c in plan.module_casts.values()
+        ]
     reference = testing.wrap_separate_units(copy.deepcopy(ours), plan)
     plan.apply()
     train_in_lockstep([ours, reference], steps=2, make_input=lambda step: inputs(step).to(dtype))

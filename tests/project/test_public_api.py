@@ -19,7 +19,7 @@ from tests.support import ROOT
 SURFACE = {
     "fsdp_precision": [
         "MAPPABLE_DTYPES", "PRESETS", "SUPPORTED_RELEASES", "DistributedConfig",
-        "FsdpPrecisionError", "Glob", "ModuleClass", "ParamDtypeMapError",
+        "FsdpPrecisionError", "Glob", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
         "PrecisionPlan", "PrecisionRules", "UnitUsageError", "UnsupportedTorchError",
         "__version__", "apply_param_dtype_map_patch", "auto_wrap_units",

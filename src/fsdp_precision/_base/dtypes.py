@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAPPABLE_DTYPES", "check_mappable_dtype", "dtype_name", "dtype_repr", "optional_name"]
+__all__ = [
+    "MAPPABLE_DTYPES",
+    "check_mappable_dtype",
+    "dtype_name",
+    "dtype_repr",
+    "exact_upcast",
+    "optional_name",
+]
 
 
 def _dtypes(*names: str) -> tuple[torch.dtype, ...]:
@@ -76,3 +83,14 @@ def check_mappable_dtype(dtype: object, *, where: str) -> torch.dtype:
             f"dtypes only: use one of {allowed}, or leave the parameter out of the map"
         )
     return dtype
+
+
+def exact_upcast(storage: torch.dtype, kept: torch.dtype) -> bool:
+    """Whether every ``storage`` value is exactly a ``kept`` value, and ``kept`` is wider: at
+    least as many mantissa bits, at least the range, normals reaching at least as low."""
+    if not (storage.is_floating_point and kept.is_floating_point):
+        return False
+    if storage.itemsize >= kept.itemsize:
+        return False
+    s, k = torch.finfo(storage), torch.finfo(kept)
+    return k.eps <= s.eps and k.max >= s.max and k.smallest_normal <= s.smallest_normal

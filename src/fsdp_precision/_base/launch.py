@@ -21,12 +21,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
 from fsdp_precision._base.dist import free_port, under_torchrun
 
-__all__ = ["launch", "process_group"]
+__all__ = ["fork_is_safe", "launch", "process_group"]
 
 R = TypeVar("R")
 
@@ -47,7 +48,7 @@ def process_group(backend: str = "gloo", *, timeout_s: float = 120) -> Iterator[
 
 
 def launch(
-    fn: Callable[..., R], args: tuple[Any, ...], *, nproc: int, start_method: str = "spawn"
+    fn: Callable[..., R], args: tuple[Any, ...], *, nproc: int, start_method: str = "auto"
 ) -> R:
     """``fn(*args)`` on ``nproc`` new processes; returns rank 0's result.
 
@@ -58,10 +59,13 @@ def launch(
 
     ``start_method="fork"`` (Linux, CPU only: never after CUDA was initialised) starts the ranks
     in milliseconds with everything this process imported (transformers takes seconds to
-    import); ``"spawn"`` starts fresh interpreters.
+    import); ``"spawn"`` starts fresh interpreters; ``"auto"`` forks where that is safe
+    (:func:`fork_is_safe`) and spawns otherwise.
     """
     if under_torchrun():
         return fn(*args)
+    if start_method == "auto":
+        start_method = "fork" if fork_is_safe() else "spawn"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fsdp-precision-") as out:
         start_processes(  # type: ignore[no-untyped-call]
@@ -74,6 +78,13 @@ def launch(
         with open(Path(out, "rank0.pkl"), "rb") as f:
             result: R = pickle.load(f)
     return result
+
+
+def fork_is_safe() -> bool:
+    """Whether forked ranks would start clean here: Linux, no CUDA in use or available (a forked
+    child cannot use CUDA), and no process group in this process (a forked child would inherit
+    it: "trying to initialize the default process group twice")."""
+    return sys.platform == "linux" and not torch.cuda.is_available() and not dist.is_initialized()
 
 
 def _entry(

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from fsdp_precision._base.errors import FsdpPrecisionError
+from fsdp_precision._policy.diagnose import notes_of
 
 __all__ = ["main"]
 
@@ -25,6 +26,28 @@ def _add_keep(parser: argparse.ArgumentParser) -> None:
         metavar="GLOB[=DTYPE]",
         help="keep parameters matching GLOB in DTYPE (fp32 unless given), before the model's "
         "own keep-in-fp32 declarations; repeatable",
+    )
+
+
+def _add_boundary(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--boundary",
+        choices=("auto", "inputs", "inputs_outputs", "none"),
+        default="auto",
+        help="how a module the --keep rules keep whole meets the activations: auto (inputs "
+        "cast to the kept dtype; outputs cast back for norms and scales), inputs, "
+        "inputs_outputs, none (the model casts for itself) (default: auto)",
+    )
+
+
+def _add_units(parser: argparse.ArgumentParser, default: str | None, text: str) -> None:
+    parser.add_argument(
+        "--units",
+        choices=("size", "transformer_block", "accelerate"),
+        default=default,
+        help="the fully_shard calls: size (a unit per --min-params, as wrap_model_for_training), "
+        "transformer_block (the _no_split_modules blocks, then the root), accelerate "
+        f"(accelerate's FSDP2 transformer-based wrap: blocks, embedding, norm+head, root) {text}",
     )
 
 
@@ -102,6 +125,13 @@ def _parser() -> argparse.ArgumentParser:
         help="auto-wrap threshold in parameters (default: 10000000)",
     )
     _add_keep(plan)
+    _add_boundary(plan)
+    _add_units(plan, "size", "(default: size)")
+    plan.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="skip the first forward in the planned compute dtypes (a tiny CPU build)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = sub.add_parser(
         "verify",
@@ -131,6 +161,8 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     verify.add_argument("--nproc", type=int, default=2, help="processes to launch (default: 2)")
     _add_precision(verify, ("bf16", "fp16", "fp32"))
     _add_keep(verify)
+    _add_boundary(verify)
+    _add_units(verify, None, "(default: size with --min-params, else transformer_block)")
     verify.add_argument(
         "--full-size",
         action="store_true",
@@ -181,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     precision=args.precision,
                     min_params=args.min_params,
                     rules=tuple(args.keep),
+                    units=args.units,
+                    boundary=args.boundary,
+                    trace=not args.no_trace,
                     as_json=args.json,
                 )
             )
@@ -196,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rules=tuple(args.keep),
                     full_size=args.full_size,
                     min_params=args.min_params,
+                    units=args.units,
+                    boundary=args.boundary,
                     seed=args.seed,
                     as_json=args.json,
                 )
@@ -203,9 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FsdpPrecisionError) as exc:
         print(f"fsdp-precision: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a rank failed: one line, not the spawn traceback
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        print(f"fsdp-precision: {args.command} failed: {first}", file=sys.stderr)
+    except Exception as exc:  # a rank failed: its error and our notes, not the traceback
+        notes = notes_of(exc)
+        lines = [ln for ln in str(exc).strip().splitlines() if ln not in notes and ln.strip()]
+        print(
+            f"fsdp-precision: {args.command} failed: {lines[-1] if lines else type(exc).__name__}",
+            file=sys.stderr,
+        )
+        for note in notes:
+            print(note, file=sys.stderr)
         return 1
     return 0
 

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from fsdp_precision._cli.models import load_model
-from fsdp_precision._cli.options import precision_rules
+import torch
+import torch.nn as nn
+
+from fsdp_precision._cli.models import is_hf_spec, load_model
+from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
+from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
+from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._train.config import DistributedConfig
 from fsdp_precision._train.wrap import plan_model_for_training
+from fsdp_precision._verify.trace import DtypeTrace, trace_compute_dtypes
 
 __all__ = ["PlanOptions", "run_plan"]
 
@@ -21,6 +29,9 @@ class PlanOptions:
     precision: str = "bf16"
     min_params: int = 10_000_000
     rules: tuple[str, ...] = ()
+    units: str = "size"
+    boundary: str = "auto"
+    trace: bool = True
     as_json: bool = False
 
     def __post_init__(self) -> None:
@@ -28,19 +39,55 @@ class PlanOptions:
             raise ValueError(f"--world-size must be >= 1, got {self.world_size}")
         if self.min_params < 0:
             raise ValueError(f"--min-params must be >= 0, got {self.min_params}")
+        if self.units not in UNITS:
+            raise ValueError(f"--units must be one of {', '.join(UNITS)}, got {self.units!r}")
+        if self.boundary not in BOUNDARY_NAMES:
+            raise ValueError(
+                f"--boundary must be one of {', '.join(BOUNDARY_NAMES)}, got {self.boundary!r}"
+            )
+
+
+def _rules(opts: PlanOptions) -> PrecisionRules:
+    return precision_rules(opts.precision, opts.rules, boundary=opts.boundary)  # type: ignore[arg-type]
+
+
+def _plan(model: nn.Module, opts: PlanOptions, world_size: int) -> PrecisionPlan:
+    rules = _rules(opts)
+    if opts.units == "size":  # wrap_model_for_training's units, refusals explained
+        config = DistributedConfig(
+            fsdp_mixed_precision=rules, fsdp_auto_wrap_min_params=opts.min_params
+        )
+        return plan_model_for_training(model, config, world_size=world_size)
+    units = units_of(model, opts.units, min_params=opts.min_params)
+    return compile_param_dtype_maps(model, rules, units, world_size=world_size)
+
+
+def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
+    """The first forward in the planned compute dtypes: on a tiny CPU build of a transformers
+    config (the same module classes; MoE forwards cannot run on meta), or not at all."""
+    if not opts.trace:
+        return None, "not traced (--no-trace)"
+    if not is_hf_spec(opts.model):
+        return None, "not traced: only transformers models are traced (verify runs any model)"
+    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
+
+    torch.manual_seed(0)
+    tiny = load_model(opts.model, device="cpu", tiny=True, dtype=torch.float32)
+    inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
+    trace = trace_compute_dtypes(_plan(tiny, opts, world_size=1), inputs)
+    return trace, "traced on a tiny CPU build of the same config, in the planned compute dtypes"
 
 
 def run_plan(opts: PlanOptions) -> int:
     model = load_model(opts.model)
-    config = DistributedConfig(
-        fsdp_mixed_precision=precision_rules(opts.precision, opts.rules),
-        fsdp_auto_wrap_min_params=opts.min_params,
-    )
-    plan = plan_model_for_training(model, config, world_size=opts.world_size)
+    plan = _plan(model, opts, opts.world_size)
     memory = memory_per_rank(plan)
+    trace, how = _trace(opts)
     if opts.as_json:
-        data = plan.to_dict()
+        data: dict[str, Any] = plan.to_dict()
         data["memory_per_rank_bytes"] = memory
+        data["units_layout"] = opts.units
+        data["first_forward"] = {"how": how, **(asdict(trace) if trace else {})}
         print(json.dumps(data, indent=2))
         return 0
     print(plan.explain())
@@ -51,4 +98,20 @@ def run_plan(opts: PlanOptions) -> int:
         + ", ".join(f"{k} {v / gib:,.2f} GiB" for k, v in memory.items())
         + f"; total {total / gib:,.2f} GiB"
     )
+    print(f"units: {opts.units} (--units size | transformer_block | accelerate)")
+    print(_first_forward(trace, how))
     return 0
+
+
+def _first_forward(trace: DtypeTrace | None, how: str) -> str:
+    if trace is None:
+        return f"first forward: {how}"
+    if trace.ok:
+        return f"first forward: runs ({how})"
+    if not trace.dtype_error:
+        return f"first forward: not checked ({how}; it stopped at {trace.error})"
+    lines = [
+        f"warning: the first forward fails in the planned compute dtypes ({how}): {trace.error}"
+    ]
+    lines.extend(f"  {note}" for note in trace.notes)
+    return "\n".join(lines)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +20,11 @@ import torch.nn as nn
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
 from fsdp_precision._cli.models import is_hf_spec, load_model
-from fsdp_precision._cli.options import precision_rules
+from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
-from fsdp_precision._plan.units import auto_wrap_units, default_units
 from fsdp_precision._verify.parity import verify_parity
 from fsdp_precision._verify.report import ParityReport
 
@@ -48,10 +46,18 @@ class VerifyOptions:
     rules: tuple[str, ...] = ()
     full_size: bool = False
     min_params: int | None = None
+    units: str | None = None
+    boundary: str = "auto"
     seed: int = 0
     as_json: bool = False
 
     def __post_init__(self) -> None:
+        if self.units is not None and self.units not in UNITS:
+            raise ValueError(f"--units must be one of {', '.join(UNITS)}, got {self.units!r}")
+        if self.boundary not in BOUNDARY_NAMES:
+            raise ValueError(
+                f"--boundary must be one of {', '.join(BOUNDARY_NAMES)}, got {self.boundary!r}"
+            )
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
         if self.min_params is not None and self.min_params < 0:
@@ -73,13 +79,14 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     model = load_model(
         opts.model, device=device, tiny=opts.tiny, dtype=torch.float32 if hf else None
     )
-    rules = precision_rules(opts.precision, opts.rules)
-    if opts.min_params is None:
-        units = default_units(model)
-    else:
+    rules = precision_rules(opts.precision, opts.rules, boundary=opts.boundary)  # type: ignore[arg-type]
+    layout = opts.units or ("transformer_block" if opts.min_params is None else "size")
+    inputs = None
+    if layout == "size":
         # The check's own inputs feed the traced forward that keeps units torch cannot run out.
         inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
-        units = auto_wrap_units(model, opts.min_params, example_inputs=inputs)
+    min_params = 10_000_000 if opts.min_params is None else opts.min_params
+    units = units_of(model, layout, min_params=min_params, example_inputs=inputs)
     plan = compile_param_dtype_maps(model, rules, units, world_size=opts.nproc)
     return model, plan
 
@@ -145,10 +152,9 @@ def run_verify(opts: VerifyOptions) -> int:
     _inputs_source(opts.model, model)
     n_params = sum(p.numel() for p in model.parameters())
     del model, plan
-    # The ranks are forked on Linux: they inherit torch and transformers already imported (the
-    # imports take longer than the check). Nothing here has touched CUDA or started threads.
-    method = "fork" if sys.platform == "linux" else "spawn"
-    report = launch(_rank, (opts,), nproc=opts.nproc, start_method=method)
+    # The ranks are forked where that is safe: they inherit torch and transformers already
+    # imported (the imports take longer than the check).
+    report = launch(_rank, (opts,), nproc=opts.nproc)
     if is_rank0():
         header = {
             "spec": opts.model,

@@ -40,7 +40,9 @@ def kept_fqns(model: nn.Module, dtype: torch.dtype) -> set[str]:
 
 
 @torch.no_grad()
-def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_keeping_fp32(
+    model: nn.Module, dtype: torch.dtype, *, keep: Mapping[str, torch.dtype] | None = None
+) -> nn.Module:
     """Give ``model`` the storage ``from_pretrained(dtype=dtype)`` produces, tensor by tensor.
 
     Floating parameters and persistent buffers are cast to ``dtype``, except the declared ones,
@@ -49,11 +51,13 @@ def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     loads them (rotary ``inv_freq`` stays fp32). Declarations follow the installed library,
     through wrappers (a ``PeftModel``) and tie targets (see
     :mod:`fsdp_precision._hf.declarations`). In place; returns ``model``. Tied tensors stay tied
-    (each tensor is cast once, through its module attribute).
+    (each tensor is cast once, through its module attribute). ``keep`` names more parameters
+    (exact FQNs, any alias) with the dtype each stays in; it wins over the declarations.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     kept = kept_fqns(model, dtype)
+    extra = _aliases(model, dict(keep or {}))
     done: dict[int, Any] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
@@ -66,7 +70,8 @@ def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
                 if id(tensor) in done:
                     store[name] = done[id(tensor)]
                     continue
-                want = torch.float32 if prefix + name in kept else dtype
+                fqn = prefix + name
+                want = extra.get(fqn) or (torch.float32 if fqn in kept else dtype)
                 if tensor.dtype == want:
                     done[id(tensor)] = tensor
                     continue
@@ -77,6 +82,20 @@ def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
                 done[id(tensor)] = new
                 store[name] = new
     return model
+
+
+def _aliases(model: nn.Module, keep: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """``keep`` with every alias of each named parameter; a name that is none is an error."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    by_name = {n: pid for pid, ns in names.items() for n in ns}
+    out: dict[str, torch.dtype] = {}
+    for fqn, kept in keep.items():
+        if fqn not in by_name:
+            raise ValueError(f"keep names {fqn!r}, which is no parameter of the model")
+        out.update(dict.fromkeys(names[by_name[fqn]], kept))
+    return out
 
 
 def load_state_dict_aligned(

@@ -34,9 +34,11 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import registry
 from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR
+from fsdp_precision._policy.casts import install_cast
+from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
 from fsdp_precision._policy.native import native_policy
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._policy.refusals import check_manageable, has_map, uses_native
+from fsdp_precision._policy.refusals import check_manageable, needs_resolution, uses_native
 from fsdp_precision._policy.resolve import ResolvedMap, resolve_param_dtype_map
 from fsdp_precision._releases.traits import ReleaseTraits
 
@@ -60,9 +62,9 @@ def init_param_group(
     """Resolve the map before ``FSDPParamGroup`` shards anything, then hand it to torch."""
     original = registry.original(_fs, "_init_param_group")
     mp_policy = bind_mp_policy(args, kwargs)
-    if not has_map(mp_policy):
+    if not needs_resolution(mp_policy):
         return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
-    assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # has_map
+    assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # needs_resolution
     release = registry.traits()
     try:
         resolved = resolve_param_dtype_map(modules, params, mp_policy)
@@ -95,13 +97,18 @@ def init_param_group(
 def _after_call(
     policy: ParamDtypeMixedPrecisionPolicy, resolved: ResolvedMap, modules: Sequence[nn.Module]
 ) -> None:
-    """After a successful call: record the model-scoped policy's entries it resolved, and keep
+    """After a successful call: record the model-scoped policy's entries it resolved, install
+    the boundary casts and the hooks that name a kept parameter in a dtype error, and keep
     transformers' output recording of its modules, whose class ``fully_shard`` swaps next (for
     frameworks that call ``fully_shard`` themselves; ``PrecisionPlan.apply`` does it only
     for its unmapped units)."""
     scope = getattr(policy, "scope", None)
     if scope is not None:
         scope.resolved.update(resolved.scope_entries)
+    for module, cast in resolved.casts:
+        install_cast(module, cast)
+    if resolved.by_slot or resolved.casts:
+        install_diagnosis(modules, kept_modules(modules, resolved.by_slot, resolved.casts))
     keep_output_recording(modules)
 
 

@@ -7,7 +7,8 @@ parameter from the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,10 +17,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._plan.casts import activation_dtype, local_casts, module_casts
 from fsdp_precision._plan.claims import Claimed, fqns_by_param
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
 from fsdp_precision._plan.rules import PrecisionRules, rule_label
+from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 from fsdp_precision._releases import release_traits
 
 __all__ = ["UnitSpec", "build_units"]
@@ -50,6 +54,7 @@ def build_units(
     claimed: Claimed,
     *,
     maps: bool,
+    upcasts: Mapping[int, torch.dtype] | None = None,
 ) -> tuple[PlannedUnit, ...]:
     """The planned units of ``specs``, in order; each parameter goes to the first that has it.
 
@@ -57,8 +62,14 @@ def build_units(
     ``rules.param_dtype``, with an exact map when ``maps``; a spec with a policy computes in its
     ``param_dtype`` (its storage dtype for ``None``). Raises :class:`ParamDtypeMapError` for
     parameters no unit owns, ties across units and grouped calls that cannot express their
-    members' dtypes.
+    members' dtypes. ``upcasts`` (``id(parameter) -> dtype``) plans parameters whose storage
+    will be upcast before the first call in that storage dtype (``PlannedParam.upcast_from``).
     """
+    storage = _Storage(upcasts or {})
+    activation = activation_dtype(
+        rules.param_dtype,
+        ((storage(p), p.numel()) for p in model.parameters() if id(p) not in claimed),
+    )
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     fqns_of = fqns_by_param(model)
     unit_of: dict[int, int] = {}
@@ -73,7 +84,21 @@ def build_units(
                 if unit_of.setdefault(id(param), index) == index:
                     rows.append((local, param))
         name = ", ".join(module_names[id(m)] or "<root>" for m in spec.modules)
-        planned.append(_unit(model, name, spec, rows, rules, claimed, fqns_of, maps=maps))
+        planned.append(
+            _unit(
+                model,
+                name,
+                spec,
+                rows,
+                rules,
+                claimed,
+                fqns_of,
+                storage,
+                activation,
+                module_names,
+                maps=maps,
+            )
+        )
     scalars = {id(p) for p in model.parameters() if p.dim() == 0}
     unowned = [f[0] for pid, f in fqns_of.items() if pid not in unit_of and pid not in scalars]
     if unowned:
@@ -85,6 +110,16 @@ def build_units(
     return tuple(planned)
 
 
+class _Storage:
+    """The storage dtype each parameter will have at the first call (upcasts applied)."""
+
+    def __init__(self, upcasts: Mapping[int, torch.dtype]) -> None:
+        self.upcasts = upcasts
+
+    def __call__(self, param: nn.Parameter) -> torch.dtype:
+        return self.upcasts.get(id(param), param.dtype)
+
+
 def _unit(
     model: nn.Module,
     name: str,
@@ -93,21 +128,27 @@ def _unit(
     rules: PrecisionRules,
     claimed: Claimed,
     fqns_of: dict[int, list[str]],
+    storage: _Storage,
+    activation: torch.dtype | None,
+    module_names: dict[int, str],
     *,
     maps: bool,
 ) -> PlannedUnit:
-    entries = _entries(rows, claimed, rules, spec)
-    _check_grouped_keys(name, rows, entries, claimed, rules, spec, grouped=len(spec.modules) > 1)
+    entries = _entries(rows, claimed, rules, spec, storage)
+    grouped = len(spec.modules) > 1
+    split = grouped and _keys_split(rows, entries, rules, spec, storage)
     reduce_dtype = rules.reduce_dtype if spec.policy is None else spec.policy.reduce_dtype
     params: list[PlannedParam] = []
     mapped: dict[str, torch.dtype] = {}  # the call's map: one canonical key per parameter
     seen: set[int] = set()
+    planned_ids: list[int] = []
     for local, param in rows:
         pid = id(param)
         if pid in seen:
             continue  # an alias inside the same unit
         seen.add(pid)
-        compute = entries.get(pid) or _unmapped(param, rules, spec)
+        planned_ids.append(pid)
+        compute = entries.get(pid) or _unmapped(storage(param), rules, spec)
         if pid in entries:
             mapped[local] = entries[pid]
         params.append(
@@ -115,33 +156,49 @@ def _unit(
                 fqn=fqns_of[pid][0],
                 key=local,
                 shape=tuple(param.shape),
-                storage=param.dtype,
+                storage=storage(param),
                 compute=compute,
                 reduce=(reduce_dtype or compute) if param.requires_grad else None,
                 claimed_by=claimed.get(pid, (None, None))[1],
                 aliases=tuple(fqns_of[pid][1:]),
                 mapped=pid in entries,
+                upcast_from=param.dtype if pid in storage.upcasts else None,
             )
         )
     if reduce_dtype is None:  # the release decides (2.15 promotes over the storage dtypes)
         promoted = release_traits().default_reduce_dtype(p.storage for p in params if p.reduce)
         if promoted is not None:
             params = [replace(p, reduce=promoted) if p.reduce else p for p in params]
+    casts: dict[str, ModuleCast] = {}
+    if spec.policy is None:  # a separate-units layout's units cast by their own policies
+        compute_of = {pid: p.compute for pid, p in zip(planned_ids, params, strict=True)}
+        casts = module_casts(spec.modules, compute_of, claimed, activation, module_names)
+    # A grouped call broadcasts each key to every member that has the name: where one key
+    # names parameters of two dtypes, or a cast's name reaches other members, the call's
+    # policy resolves by slot (as model_policy's does) instead of by key.
+    scope = None
+    if split or (grouped and casts):
+        scope = _by_slot(model, spec, entries, fqns_of, casts, module_names)
+    first = spec.modules[0]
+    keys = {} if grouped else local_casts(first, module_names[id(first)], casts)
+    policy = spec.policy or _policy_for(name, params, mapped, keys, rules, maps=maps, scope=scope)
     return PlannedUnit(
         name=name,
         modules=spec.modules,
         params=tuple(params),
-        policy=spec.policy or _policy_for(name, params, mapped, rules, maps=maps),
+        policy=policy,
         is_root=any(m is model for m in spec.modules),
         separate_unit=spec.separate_unit,
+        module_casts=casts,
     )
 
 
-def _unmapped(param: nn.Parameter, rules: PrecisionRules, spec: UnitSpec) -> torch.dtype:
-    """The dtype a call computes ``param`` in without a map entry: the policy's ``param_dtype``
-    for a floating parameter (its storage dtype for ``None``), else its storage dtype."""
+def _unmapped(stored: torch.dtype, rules: PrecisionRules, spec: UnitSpec) -> torch.dtype:
+    """The dtype a call computes a parameter ``stored`` so in without a map entry: the
+    policy's ``param_dtype`` for a floating one (its storage dtype for ``None``), else its
+    storage dtype."""
     default = rules.param_dtype if spec.policy is None else spec.policy.param_dtype
-    return (default if param.dtype.is_floating_point else None) or param.dtype
+    return (default if stored.is_floating_point else None) or stored
 
 
 def _entries(
@@ -149,6 +206,7 @@ def _entries(
     claimed: Claimed,
     rules: PrecisionRules,
     spec: UnitSpec,
+    storage: _Storage,
 ) -> dict[int, torch.dtype]:
     """``id(parameter) -> dtype`` of the call's map entries (none for a separate unit's spec).
 
@@ -160,45 +218,63 @@ def _entries(
     """
     if spec.policy is not None:
         return {}
-    trainable = {p.dtype for _, p in rows if p.requires_grad and p.dtype.is_floating_point}
+    trainable = {storage(p) for _, p in rows if p.requires_grad and storage(p).is_floating_point}
     mixed = len(trainable) > 1
     entries: dict[int, torch.dtype] = {}
     for _, param in rows:
         dtype = claimed.get(id(param), (None, None))[0]
-        if dtype is not None and (mixed or dtype != _unmapped(param, rules, spec)):
+        if dtype is not None and (mixed or dtype != _unmapped(storage(param), rules, spec)):
             entries[id(param)] = dtype
     return entries
 
 
-def _check_grouped_keys(
-    name: str,
+def _keys_split(
     rows: Sequence[tuple[str, nn.Parameter]],
     entries: dict[int, torch.dtype],
-    claimed: Claimed,
     rules: PrecisionRules,
     spec: UnitSpec,
-    *,
-    grouped: bool,
-) -> None:
-    """A grouped ``fully_shard`` broadcasts each key to every member that has the name: a key
-    may not reach a parameter that computes in another dtype."""
-    if not grouped:
-        return
+    storage: _Storage,
+) -> bool:
+    """Whether one key of a grouped call names parameters computing in different dtypes."""
     by_key: dict[str, list[nn.Parameter]] = {}
     for local, param in rows:
         by_key.setdefault(local, []).append(param)
-    for local, same in by_key.items():
-        if not any(id(p) in entries for p in same):
-            continue
-        computes = [(entries.get(id(p)) or _unmapped(p, rules, spec), p) for p in same]
-        if len({dtype for dtype, _ in computes}) > 1:
-            (d1, p1), (d2, p2) = computes[0], next(c for c in computes if c[0] != computes[0][0])
-            raise ParamDtypeMapError(
-                f"grouped unit [{name}] cannot give key {local!r} two dtypes "
-                f"({dtype_name(d1)} by {_label(claimed, p1)}, {dtype_name(d2)} by "
-                f"{_label(claimed, p2)}): a grouped fully_shard broadcasts each key to every "
-                "member. Wrap the members separately, or make the rules agree"
-            )
+    for same in by_key.values():
+        if any(id(p) in entries for p in same):
+            computes = {entries.get(id(p)) or _unmapped(storage(p), rules, spec) for p in same}
+            if len(computes) > 1:
+                return True
+    return False
+
+
+def _by_slot(
+    model: nn.Module,
+    spec: UnitSpec,
+    entries: dict[int, torch.dtype],
+    fqns_of: dict[int, list[str]],
+    casts: dict[str, ModuleCast],
+    names: dict[int, str],
+) -> ModelScope:
+    """The scope of a grouped call resolved by slot: every registration of its mapped
+    parameters, and its casts (root-relative) by module."""
+    slots: dict[Slot, tuple[str, torch.dtype]] = {}
+    by_module: dict[int, tuple[str, ModuleCast]] = {}
+    for member in spec.modules:
+        for sub in member.modules():
+            for attr, param in sub._parameters.items():
+                if param is not None and id(param) in entries:
+                    slots[(id(sub), attr)] = (fqns_of[id(param)][0], entries[id(param)])
+            fqn = names[id(sub)]
+            if fqn in casts:
+                by_module[id(sub)] = (fqn, casts[fqn])
+    modules = weakref.WeakSet(m for member in spec.modules for m in member.modules())
+    return ModelScope(
+        root=id(model),
+        model=type(model).__name__,
+        entries=slots,
+        modules=modules,
+        casts=by_module,
+    )
 
 
 def _label(claimed: Claimed, param: nn.Parameter) -> str:
@@ -209,16 +285,18 @@ def _policy_for(
     name: str,
     params: Sequence[PlannedParam],
     mapped: dict[str, torch.dtype],
+    casts: dict[str, ModuleCast],
     rules: PrecisionRules,
     *,
     maps: bool,
+    scope: ModelScope | None = None,
 ) -> MixedPrecisionPolicy:
     # A unit whose every parameter computes in a mapped dtype (e.g. a norm or an embedder that
     # the size rule made its own unit) must not cast its inputs to param_dtype: that would move
     # the activation boundary and lose exactly the precision the rules keep.
     all_mapped = bool(params) and len(mapped) == len(params)
     cast = rules.cast_forward_inputs and not all_mapped
-    if not maps or not mapped:
+    if not maps or not (mapped or casts):
         return MixedPrecisionPolicy(
             param_dtype=rules.param_dtype,
             reduce_dtype=rules.reduce_dtype,
@@ -232,12 +310,23 @@ def _policy_for(
             f"{sorted(dtype_name(d) for d in trainable_dtypes)} but reduce_dtype is None; set "
             "PrecisionRules(reduce_dtype=torch.float32)"
         )
+    if scope is not None:  # keys for reading: the root-relative names
+        return ModelScopedPolicy(
+            param_dtype=rules.param_dtype,
+            reduce_dtype=rules.reduce_dtype,
+            output_dtype=rules.output_dtype,
+            cast_forward_inputs=cast,
+            param_dtype_map={fqn: dtype for fqn, dtype in scope.entries.values()},
+            module_casts={fqn: c for fqn, c in scope.casts.values()},
+            scope=scope,
+        )
     return ParamDtypeMixedPrecisionPolicy(
         param_dtype=rules.param_dtype,
         reduce_dtype=rules.reduce_dtype,
         output_dtype=rules.output_dtype,
         cast_forward_inputs=cast,
         param_dtype_map=mapped,
+        module_casts=casts,
     )
 
 

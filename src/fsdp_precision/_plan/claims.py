@@ -11,14 +11,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.dtypes import dtype_name, exact_upcast
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._plan.quantized import packed_storage_rules
 from fsdp_precision._plan.records import RuleClaims
 from fsdp_precision._plan.rules import AnyRule, DeclaredRule, PrecisionRules, rule_label
 
-__all__ = ["Claimed", "check_not_degraded", "claim_params", "fqns_by_param", "owner_of"]
+__all__ = ["Claimed", "claim_params", "fqns_by_param", "owner_of", "planned_upcasts"]
 
 #: Parameter (by ``id``) -> (the dtype its rule asks for, the rule that claimed it).
 Claimed = dict[int, tuple[torch.dtype, AnyRule]]
@@ -100,12 +100,48 @@ def claim_params(
     )
 
 
-def check_not_degraded(fqn: str, rule: AnyRule, kept: torch.dtype, storage: torch.dtype) -> None:
-    if storage.is_floating_point and storage.itemsize < kept.itemsize:
-        raise ParamDtypeMapError(
-            f"parameter {fqn!r} is kept in {dtype_name(kept)} by {rule_label(rule)} "
-            f"but is stored in {dtype_name(storage)}: precision was lost before "
-            "fsdp_precision saw the model (a .to(dtype) or from_config(dtype=...)). "
-            "Load it with from_pretrained(dtype=...) or fsdp_precision.hf."
-            "cast_keeping_fp32, or build it in fp32"
-        )
+def planned_upcasts(
+    model: nn.Module, claimed: Claimed, fqns_of: dict[int, list[str]]
+) -> dict[int, torch.dtype]:
+    """``id(parameter) -> kept dtype`` of every parameter a user rule keeps wider than it is
+    stored, upcast exactly when the plan is applied (:mod:`fsdp_precision._plan.upcast`).
+
+    Raises :class:`ParamDtypeMapError` for a model declaration stored narrower than it
+    declares (precision was lost before the model reached this library: a correct load keeps
+    it), and for a user rule whose dtype cannot hold every stored value.
+    """
+    upcasts: dict[int, torch.dtype] = {}
+    for param in model.parameters():
+        entry = claimed.get(id(param))
+        if entry is None or not param.is_floating_point():
+            continue
+        kept, rule = entry
+        if param.dtype.itemsize >= kept.itemsize:
+            continue
+        fqn = fqns_of[id(param)][0]
+        if isinstance(rule, DeclaredRule):
+            raise _lost(fqn, rule, kept, param.dtype)
+        if not exact_upcast(param.dtype, kept):
+            raise ParamDtypeMapError(
+                f"parameter {fqn!r} is stored in {dtype_name(param.dtype)} and {rule_label(rule)} "
+                f"keeps it in {dtype_name(kept)}, which cannot hold every "
+                f"{dtype_name(param.dtype)} value exactly; keep it in a dtype that can "
+                "(torch.float32), or in its storage dtype"
+            )
+        upcasts[id(param)] = kept
+    return upcasts
+
+
+def _lost(fqn: str, rule: AnyRule, kept: torch.dtype, storage: torch.dtype) -> ParamDtypeMapError:
+    return ParamDtypeMapError(
+        f"parameter {fqn!r} is kept in {dtype_name(kept)} by {rule_label(rule)} but is stored "
+        f"in {dtype_name(storage)}: precision was lost before fsdp_precision saw the model (a "
+        f".to(torch.{dtype_name(storage)}), from_config(dtype=...) or a state dict loaded into "
+        f"a {dtype_name(storage)} model); a correct load keeps it. Fixes: load with "
+        f"from_pretrained(..., dtype=torch.{dtype_name(storage)}) and do not cast the model "
+        "afterwards (it keeps the declared parameters); or build or load the model in "
+        f"float32 and call fsdp_precision.hf.cast_keeping_fp32(model, "
+        f"torch.{dtype_name(storage)}, rules=rules); or, if the checkpoint itself stores it in "
+        f"{dtype_name(storage)} (nothing was lost), add the user rule Glob({fqn!r}) "
+        "(user rules come first), which upcasts it exactly"
+    )

@@ -18,7 +18,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
 from fsdp_precision._plan.build import UnitSpec, build_units
-from fsdp_precision._plan.claims import Claimed, check_not_degraded, claim_params, fqns_by_param
+from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam
 from fsdp_precision._plan.replicated import replicated_params
@@ -77,9 +77,7 @@ def compile_param_dtype_maps(
     decision_dtype = rules.param_dtype or _majority_dtype(model)
     decls = tuple(declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
     claimed, claims = claim_params(model, rules, decls, fqns_of)
-    params = {id(p): p for p in model.parameters()}
-    for pid, (dtype, rule) in claimed.items():
-        check_not_degraded(fqns_of[pid][0], rule, dtype, params[pid].dtype)
+    upcasts = planned_upcasts(model, claimed, fqns_of)
 
     module_ids = {id(m) for _, m in model.named_modules(remove_duplicate=False)}
     spec_modules = [
@@ -94,7 +92,12 @@ def compile_param_dtype_maps(
                 )
     in_unit = layout == "in_unit"
     planned = build_units(
-        model, rules, [UnitSpec(mods) for mods in spec_modules], claimed, maps=in_unit
+        model,
+        rules,
+        [UnitSpec(mods) for mods in spec_modules],
+        claimed,
+        maps=in_unit,
+        upcasts=upcasts,
     )
     plan = PrecisionPlan(
         replicated=_replicated(model, claimed, fqns_of),

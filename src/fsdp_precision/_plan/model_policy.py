@@ -15,6 +15,7 @@ from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan.claims import fqns_by_param
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 
@@ -31,6 +32,11 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
     parameters it manages. Applies the patch. Once the call that includes ``model`` runs, an
     entry no call resolved (its parameter ignored, or its module wrapped with another policy)
     is a :class:`ParamDtypeMapError` naming it.
+
+    Kept modules get their boundary casts (``Glob(..., boundary=...)``) from the first call
+    that includes them. Parameters a user rule keeps wider than they are stored (a bf16
+    checkpoint's router kept in fp32) are upcast exactly, in place, once every check passed
+    (``PrecisionPlan.upcasts``).
 
     Raises ``ValueError`` for the deprecated ``rules.strategy="split"``: separate units are a
     unit layout, which a policy cannot choose.
@@ -54,15 +60,19 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
             prefix, _, name = fqn.rpartition(".")
             owner = model.get_submodule(prefix) if prefix else model
             entries[(id(owner), name)] = (names[0], dtype)
+    casts = plan.module_casts
     apply_param_dtype_map_patch()
+    upcast_storage(model, plan.upcasts)  # every check passed
     return ModelScopedPolicy(
         param_dtype=rules.param_dtype,
         reduce_dtype=rules.reduce_dtype,
         param_dtype_map=mapped,
+        module_casts=casts,
         scope=ModelScope(
             root=id(model),
             model=type(model).__name__,
             entries=entries,
             modules=weakref.WeakSet(model.modules()),
+            casts={id(model.get_submodule(f)): (f, c) for f, c in casts.items()},
         ),
     )

@@ -23,6 +23,8 @@ from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
 from fsdp_precision._plan.replicated import average_gradients
 from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.units import UnitChoice
+from fsdp_precision._plan.upcast import upcast_storage
+from fsdp_precision._policy.casts import ModuleCast
 
 __all__ = ["PrecisionPlan"]
 
@@ -72,6 +74,17 @@ class PrecisionPlan:
         """Each planned parameter's names (aliases included) -> the name of its unit."""
         return {fqn: u.name for u in self.units for p in u.params for fqn in (p.fqn, *p.aliases)}
 
+    @functools.cached_property
+    def module_casts(self) -> dict[str, ModuleCast]:
+        """Root-relative module FQN -> the boundary cast of every module a unit keeps whole."""
+        return {fqn: cast for unit in self.units for fqn, cast in unit.module_casts.items()}
+
+    @property
+    def upcasts(self) -> tuple[PlannedParam, ...]:
+        """The parameters whose storage :meth:`apply` upcasts exactly to the dtype a user rule
+        keeps them in (``PlannedParam.upcast_from``: a bf16 checkpoint's router kept in fp32)."""
+        return tuple(p for u in self.units for p in u.params if p.upcast_from is not None)
+
     @property
     def rule_claims(self) -> dict[str, list[str]]:
         """Display form of :attr:`claims`: rule label -> claimed FQNs."""
@@ -90,7 +103,9 @@ class PrecisionPlan:
         Applies the patch first when a unit has a non-empty map. ``fully_shard_kwargs`` (mesh,
         offload_policy, ...) go to every call, with the plan's ``reshard_after_forward`` and
         the :attr:`replicated` parameters added to ``ignored_params``; those get their
-        gradients averaged over the mesh. Before the first call, every call is checked as the
+        gradients averaged over the mesh. Parameters a user rule keeps wider than they are
+        stored (:attr:`upcasts`) are upcast exactly first. Before the first call, every call is
+        checked as the
         installed release's ``fully_shard`` would check it (:meth:`check`), so a refused plan
         leaves the model untouched. Raises ``ValueError`` before any call when the kwargs
         contradict the knobs the plan was compiled with (``reshard_after_forward``, a 2-D mesh
@@ -100,9 +115,14 @@ class PrecisionPlan:
         scalars = [self.model.get_parameter(p.fqn) for p in self.replicated]
         if scalars:
             kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | set(scalars)
-        if any(u.param_dtype_map for u in self.units):
+        if any(u.param_dtype_map or u.module_casts for u in self.units):
             apply_param_dtype_map_patch()
-        self.check(ignored_params=kwargs.get("ignored_params"))
+        undo = upcast_storage(self.model, self.upcasts)
+        try:
+            self.check(ignored_params=kwargs.get("ignored_params"))
+        except BaseException:
+            undo()  # a refused plan leaves the model as it found it
+            raise
         for unit in self.units:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)

@@ -8,7 +8,8 @@ counts in :mod:`fsdp_precision._plan.cost`.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._plan import cost
 from fsdp_precision._plan.rules import AnyRule, rule_label
+from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 
 __all__ = ["PlannedParam", "PlannedUnit", "RuleClaims"]
@@ -38,6 +40,10 @@ class PlannedParam:
         mapped: Its unit's exact map has an entry for it: a rule claimed it for a dtype the
             unit would not compute it in otherwise, or the unit mixes trainable storage dtypes
             (which only a mapped unit can). (Default: ``False``)
+        upcast_from: The narrower dtype the parameter is stored in now, when a user rule keeps
+            it wider: its storage is upcast to :attr:`storage` (exactly: every value of the
+            narrower dtype is one of the wider) before the first ``fully_shard`` call, the
+            master weights then hold it in the kept dtype. (Default: ``None``)
     """
 
     fqn: str
@@ -49,6 +55,7 @@ class PlannedParam:
     claimed_by: AnyRule | None = None
     aliases: tuple[str, ...] = ()
     mapped: bool = False
+    upcast_from: torch.dtype | None = None
 
     @property
     def claimed(self) -> bool:
@@ -96,6 +103,9 @@ class PlannedUnit:
         is_root: Whether the root module is a member.
         separate_unit: A module holding mapped parameters, made its own unit by the
             separate-units layout. (Default: ``False``)
+        module_casts: Root-relative module FQN -> the boundary cast of each module the call
+            keeps whole (:mod:`fsdp_precision._plan.casts`); the policy holds them relative to
+            the call's module (by module for a grouped call). (Default: none)
     """
 
     name: str
@@ -104,6 +114,7 @@ class PlannedUnit:
     policy: MixedPrecisionPolicy
     is_root: bool
     separate_unit: bool = False
+    module_casts: Mapping[str, ModuleCast] = field(default_factory=dict)
 
     @property
     def split_child(self) -> bool:

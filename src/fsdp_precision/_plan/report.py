@@ -74,6 +74,10 @@ def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
             "reduce_dtype": optional_name(u.policy.reduce_dtype),
             "param_dtype_map": {k: optional_name(v) for k, v in u.param_dtype_map.items()},
         },
+        "module_casts": {
+            fqn: {"inputs": dtype_name(c.inputs), "outputs_cast_back": c.outputs}
+            for fqn, c in u.module_casts.items()
+        },
         "all_gather_bytes_by_dtype": u.gather_bytes(plan.world_size),
         "collectives_per_step": {
             "all_gathers": counts.all_gathers,
@@ -90,6 +94,7 @@ def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
                 "reduce": optional_name(p.reduce),
                 "rule": rule_label(p.claimed_by),
                 "aliases": list(p.aliases),
+                "upcast_from": optional_name(p.upcast_from),
             }
             for p in u.params
         ],
@@ -153,7 +158,11 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         if not unit.params:
             continue
         signature = (
-            tuple((p.key, p.storage, p.compute, type(p.claimed_by)) for p in unit.params),
+            tuple(
+                (p.key, p.storage, p.compute, type(p.claimed_by), p.upcast_from)
+                for p in unit.params
+            ),
+            tuple(_relative_casts(unit).items()),
             unit.separate_unit,
             unit.is_root,
         )
@@ -233,9 +242,14 @@ def _unit_lines(plan: PrecisionPlan, unit: PlannedUnit, max_params: int) -> list
     claimed = [p for p in unit.params if p.claimed_by is not None]
     for p in claimed[:max_params]:
         alias = f" (= {', '.join(p.aliases)})" if p.aliases else ""
+        upcast = (
+            f" (stored in {dtype_name(p.upcast_from)}: upcast exactly when applied)"
+            if p.upcast_from is not None
+            else ""
+        )
         lines.append(
             f"    {p.fqn:<48} {dtype_name(p.storage):>8} -> {dtype_name(p.compute):<8} "
-            f"by {rule_label(p.claimed_by)}{alias}"
+            f"by {rule_label(p.claimed_by)}{alias}{upcast}"
         )
     if len(claimed) > max_params:
         lines.append(f"    ... and {len(claimed) - max_params} more claimed parameters")
@@ -243,4 +257,15 @@ def _unit_lines(plan: PrecisionPlan, unit: PlannedUnit, max_params: int) -> list
     if others:
         default = dtype_name(plan.rules.param_dtype) if plan.rules.param_dtype else "storage"
         lines.append(f"    {others} other parameters compute in {default}")
+    for fqn, cast in list(unit.module_casts.items())[:max_params]:
+        lines.append(f"    boundary cast at {fqn}: {cast}")
+    if len(unit.module_casts) > max_params:
+        lines.append(f"    ... and {len(unit.module_casts) - max_params} more boundary casts")
     return lines
+
+
+def _relative_casts(unit: PlannedUnit) -> dict[str, str]:
+    """The unit's casts by name under its first module (units of repeated blocks compare)."""
+    prefix = unit.name.split(", ")[0]
+    prefix = "" if prefix == "<root>" else f"{prefix}."
+    return {fqn.removeprefix(prefix): str(c) for fqn, c in unit.module_casts.items()}

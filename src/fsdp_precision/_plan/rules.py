@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_name
+from fsdp_precision._policy.casts import BOUNDARIES, Boundary
 
 __all__ = ["AnyRule", "DeclaredRule", "Glob", "ModuleClass", "PrecisionRules", "Rule", "rule_label"]
 
@@ -41,22 +42,28 @@ class Glob:
         pattern (str): Glob over root-relative parameter FQNs. (Default: required)
         dtype (torch.dtype): Compute (all-gather) dtype of the matched parameters.
             (Default: ``torch.float32``)
+        boundary (Boundary): How a module kept whole meets the activations around it:
+            ``"auto"`` (inputs cast to ``dtype``; outputs cast back for modules of per-channel
+            gains, norms and scales), ``"inputs"``, ``"inputs_outputs"`` or ``"none"`` (the
+            module casts for itself). (Default: ``"auto"``)
     """
 
     pattern: str
     dtype: torch.dtype = torch.float32
+    boundary: Boundary = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise ValueError(f"Glob.pattern must be a non-empty string, got {self.pattern!r}")
         check_mappable_dtype(self.dtype, where=f"Glob({self.pattern!r}).dtype")
+        _check_boundary(self.boundary, f"Glob({self.pattern!r})")
 
     def matches(self, fqn: str, owner: nn.Module) -> bool:
         """Whether the rule claims the parameter named ``fqn`` (owned by ``owner``)."""
         return fnmatch.fnmatchcase(fqn, self.pattern)
 
     def __str__(self) -> str:
-        return f"glob {self.pattern!r}"
+        return f"glob {self.pattern!r}{_boundary_suffix(self.boundary)}"
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,13 @@ class ModuleClass:
         dtype (torch.dtype): Compute dtype of the matched parameters. (Default: ``torch.float32``)
         params (tuple[str, ...] | None): Restrict to these attribute names (``("weight",)``);
             ``None`` takes every parameter the module owns directly. (Default: ``None``)
+        boundary (Boundary): As for :class:`Glob`. (Default: ``"auto"``)
     """
 
     cls: type[nn.Module] | tuple[type[nn.Module], ...]
     dtype: torch.dtype = torch.float32
     params: tuple[str, ...] | None = None
+    boundary: Boundary = "auto"
 
     def __post_init__(self) -> None:
         classes = self.cls if isinstance(self.cls, tuple) else (self.cls,)
@@ -85,6 +94,7 @@ class ModuleClass:
                 f"got {self.cls!r}"
             )
         check_mappable_dtype(self.dtype, where=f"ModuleClass({self._names()}).dtype")
+        _check_boundary(self.boundary, f"ModuleClass({self._names()})")
 
     def _names(self) -> str:
         classes = self.cls if isinstance(self.cls, tuple) else (self.cls,)
@@ -98,7 +108,7 @@ class ModuleClass:
 
     def __str__(self) -> str:
         suffix = f" {list(self.params)}" if self.params is not None else ""
-        return f"class {self._names()}{suffix}"
+        return f"class {self._names()}{suffix}{_boundary_suffix(self.boundary)}"
 
 
 Rule = Glob | ModuleClass
@@ -106,12 +116,19 @@ Rule = Glob | ModuleClass
 
 @dataclass(frozen=True)
 class DeclaredRule:
-    """A model's own keep-in-fp32 declaration, resolved to exact FQNs by its library."""
+    """A model's own keep-in-fp32 declaration, resolved to exact FQNs by its library, or the
+    storage of packed quantized parameters.
+
+    ``boundary`` is ``"none"``: the model casts there for itself, as it does when its library
+    loads it with the declaration honoured; a user rule claiming parameters of the same module
+    sets the module's boundary.
+    """
 
     source: str  # e.g. "transformers _keep_in_fp32_modules_strict"
     pattern: str
     fqns: frozenset[str]
     dtype: torch.dtype = torch.float32
+    boundary: Boundary = "none"
 
     def matches(self, fqn: str, owner: nn.Module) -> bool:
         return fqn in self.fqns
@@ -122,6 +139,17 @@ class DeclaredRule:
 
 #: Anything that can claim a parameter: a user rule or a model declaration.
 AnyRule = Glob | ModuleClass | DeclaredRule
+
+
+def _boundary_suffix(boundary: Boundary) -> str:
+    return "" if boundary == "auto" else f" (boundary {boundary!r})"
+
+
+def _check_boundary(boundary: object, where: str) -> None:
+    if boundary not in BOUNDARIES:
+        raise ValueError(
+            f"{where}.boundary is {boundary!r}; use one of {', '.join(map(repr, BOUNDARIES))}"
+        )
 
 
 def rule_label(rule: AnyRule | None) -> str:

@@ -21,8 +21,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan.build import UnitSpec, build_units
+from fsdp_precision._plan.casts import activation_dtype
 from fsdp_precision._plan.claims import Claimed
 from fsdp_precision._plan.units import CONTAINERS
+from fsdp_precision._plan.upcast import upcast_storage
 
 if TYPE_CHECKING:
     from fsdp_precision._plan.plan import PrecisionPlan
@@ -93,26 +95,42 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
             )
         owners[module] = dtype
 
-    def param_dtype(names: Sequence[str], dtype: torch.dtype) -> torch.dtype | None:
+    # A module with a boundary cast is one unit for its whole kept subtree, as in the in-unit
+    # layout, whose hooks sit there: its own unit casts inputs and outputs the same way.
+    casts = plan.module_casts
+    activation = activation_dtype(
+        plan.rules.param_dtype,
+        ((p.storage, p.numel) for p in plan.params_by_fqn.values() if not p.claimed),
+    )
+    for cast_module, cast in casts.items():
+        for owner in [o for o in owners if _inside([cast_module], o) or o == cast_module]:
+            del owners[owner]
+        owners[cast_module] = cast.inputs
+
+    def policy_of(
+        names: Sequence[str], dtype: torch.dtype, base: MixedPrecisionPolicy | None
+    ) -> MixedPrecisionPolicy:
+        cast = casts.get(names[0]) if len(names) == 1 else None
+        if cast is not None:  # FSDP's own input and output casts, as the boundary's
+            return MixedPrecisionPolicy(
+                param_dtype=dtype,
+                reduce_dtype=plan.rules.reduce_dtype,
+                output_dtype=activation if cast.outputs else None,
+                cast_forward_inputs=True,
+            )
         same = all(by_name[f].storage == dtype for f in kept if _inside(names, f))
-        return None if same else dtype
+        return MixedPrecisionPolicy(
+            param_dtype=None if same else dtype,
+            reduce_dtype=plan.rules.reduce_dtype if base is None else base.reduce_dtype,
+            output_dtype=None if base is None else base.output_dtype,
+            cast_forward_inputs=False if base is None else base.cast_forward_inputs,
+        )
 
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     unit_names = [tuple(module_names[id(m)] for m in u.modules) for u in plan.units]
     members = {n for names in unit_names for n in names}
     extra = sorted((m for m in owners if m not in members), key=lambda n: -n.count("."))
-    layout = [
-        SeparateUnit(
-            (m,),
-            MixedPrecisionPolicy(
-                param_dtype=param_dtype([m], owners[m]),
-                reduce_dtype=plan.rules.reduce_dtype,
-                cast_forward_inputs=False,
-            ),
-            kept=True,
-        )
-        for m in extra
-    ]
+    layout = [SeparateUnit((m,), policy_of([m], owners[m], None), kept=True) for m in extra]
     for unit, names in zip(plan.units, unit_names, strict=True):
         owned = [n for n in names if n in owners]
         dtypes = {owners[n] for n in owned}
@@ -122,13 +140,15 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
                 "with modules computing in another dtype; one fully_shard call has one "
                 "param_dtype"
             )
-        pd = param_dtype(names, dtypes.pop()) if owned else unit.policy.param_dtype
-        policy = MixedPrecisionPolicy(
-            param_dtype=pd,
-            reduce_dtype=unit.policy.reduce_dtype,
-            output_dtype=unit.policy.output_dtype,
-            cast_forward_inputs=unit.policy.cast_forward_inputs,
-        )
+        if owned:
+            policy = policy_of(names, dtypes.pop(), unit.policy)
+        else:
+            policy = MixedPrecisionPolicy(
+                param_dtype=unit.policy.param_dtype,
+                reduce_dtype=unit.policy.reduce_dtype,
+                output_dtype=unit.policy.output_dtype,
+                cast_forward_inputs=unit.policy.cast_forward_inputs,
+            )
         layout.append(SeparateUnit(names, policy, kept=False))
     return tuple(layout)
 
@@ -152,7 +172,13 @@ def separate_units_plan(plan: PrecisionPlan) -> PrecisionPlan:
         for p in u.params
         if p.claimed_by is not None
     }
-    units = build_units(model, plan.rules, specs, claimed, maps=False)
+    upcasts = {
+        id(model.get_parameter(p.fqn)): p.storage
+        for u in plan.units
+        for p in u.params
+        if p.upcast_from is not None
+    }
+    units = build_units(model, plan.rules, specs, claimed, maps=False, upcasts=upcasts)
     planned = {p.fqn: p.compute for u in plan.units for p in u.params}
     for unit in units:
         for p in unit.params:
@@ -190,6 +216,7 @@ def wrap_separate_units(
             "copy of plan.model made before wrapping (copy.deepcopy)"
         )
     kwargs = separate.knobs.checked_kwargs(fully_shard_kwargs)
+    upcast_storage(model, separate.upcasts)
     names = {id(m): n for n, m in plan.model.named_modules(remove_duplicate=False)}
     for unit in separate.units:
         mods = [model.get_submodule(names[id(m)]) for m in unit.modules]

@@ -32,6 +32,7 @@ __all__ = [
     "SkippedUnit",
     "UnitChoice",
     "WrapPolicy",
+    "accelerate_units",
     "auto_wrap_units",
     "block_class_names",
     "resolve_block_classes",
@@ -256,3 +257,51 @@ def auto_wrap_units(
         model, min_params=min_params, policy=policy, block_classes=block_classes, usage=usage
     )
     return list(choice.units)
+
+
+def accelerate_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """The ``fully_shard`` calls accelerate's FSDP2 ``TRANSFORMER_BASED_WRAP`` makes (accelerate
+    1.15 ``fsdp2_prepare_model``), in order: each ``_no_split_modules`` block, the input
+    embedding when it is not tied to the head, one grouped call of the final norm (the last
+    direct child of the base model whose class name has ``Norm``) with the output embedding
+    (and the tied input embedding), then the root. accelerate makes the grouped call with
+    ``reshard_after_forward=False``; a plan counts it with the plan's knob."""
+    blocks = default_units(model)[:-1]
+    taken = {id(m) for m in blocks}
+    calls: list[nn.Module | list[nn.Module]] = list(blocks)
+    embed = _call_or_none(model, "get_input_embeddings")
+    head = _call_or_none(model, "get_output_embeddings")
+    tied = embed is not None and head is not None
+    tied = tied and _weight(embed) is not None and _weight(embed) is _weight(head)
+    if embed is not None and not tied and id(embed) not in taken:
+        calls.append(embed)
+        taken.add(id(embed))
+    tail = [m for m in (_final_norm(model), *((embed,) if tied else ()), head) if m is not None]
+    tail = [m for m in tail if id(m) not in taken and m is not model]
+    if tail:
+        calls.append(tail if len(tail) > 1 else tail[0])
+    return [*calls, model]
+
+
+def _call_or_none(model: nn.Module, method: str) -> nn.Module | None:
+    try:
+        found = getattr(model, method, lambda: None)()
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def _weight(module: nn.Module | None) -> object:
+    return getattr(module, "weight", None)
+
+
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, nn.Module):
+        return None
+    found = None
+    for _, child in base.named_children():
+        if "Norm" in type(child).__name__:
+            found = child
+    return found

@@ -4,26 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_name
+from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_repr
+from fsdp_precision._policy.casts import ModuleCast
 
 __all__ = ["ParamDtypeMixedPrecisionPolicy"]
 
 _WILDCARDS = frozenset("*?[]")
 
 
-class _DtypeMap(Mapping[str, torch.dtype]):
-    """An immutable, hashable ``{fqn: dtype}`` map (the policy is a frozen dataclass)."""
+V = TypeVar("V")
+
+
+class _FrozenMap(Mapping[str, V]):
+    """An immutable, hashable ``{name: value}`` map (the policy is a frozen dataclass)."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, torch.dtype]) -> None:
-        self._items: dict[str, torch.dtype] = dict(items)
+    def __init__(self, items: Mapping[str, V]) -> None:
+        self._items: dict[str, V] = dict(items)
 
-    def __getitem__(self, key: str) -> torch.dtype:
+    def __getitem__(self, key: str) -> V:
         return self._items[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -41,8 +46,10 @@ class _DtypeMap(Mapping[str, torch.dtype]):
         return NotImplemented
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k!r}: torch.{dtype_name(v)}" for k, v in self._items.items())
-        return "{" + inner + "}"
+        def show(v: object) -> str:
+            return dtype_repr(v) if isinstance(v, torch.dtype) else repr(v)
+
+        return "{" + ", ".join(f"{k!r}: {show(v)}" for k, v in self._items.items()) + "}"
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
         output_dtype (Optional[torch.dtype]): Dtype floating forward outputs are cast to.
             (Default: ``None``)
         cast_forward_inputs (bool): Cast floating forward inputs to ``param_dtype``. A mapped
-            parameter never casts activations: the activation boundary stays where FSDP puts it.
-            (Default: ``True``)
+            parameter casts no activations unless ``module_casts`` says so: the activation
+            boundary stays where FSDP puts it. (Default: ``True``)
         param_dtype_map (Mapping[str, torch.dtype]): Exact parameter FQNs, relative to the module
             (or to each module of a grouped call) passed to ``fully_shard``, as
             ``named_parameters(remove_duplicate=False)`` spells them, restricted to the parameters
@@ -74,12 +81,19 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             is honoured as given, one naming the dtype its parameter computes in anyway
             included (it pins that dtype; compiled plans leave such entries out). A call that
             manages no parameter maps nothing, whatever its map. (Default: ``{}``)
+        module_casts (Mapping[str, ModuleCast]): Boundary casts: exact module FQNs, relative to
+            the module(s) passed to ``fully_shard`` like the map's keys (a grouped call reaches
+            every member that has the name), each with the :class:`ModuleCast` its forward gets:
+            floating inputs cast to a dtype, outputs optionally cast back. The hooks are
+            registered when the call succeeds. Rules compile them for kept modules
+            (``Glob(..., boundary=...)``). ``None`` means ``{}``. (Default: ``{}``)
 
     On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
     combined with a non-empty ``param_dtype_map``.
     """
 
     param_dtype_map: Mapping[str, torch.dtype] | None = field(default_factory=dict)
+    module_casts: Mapping[str, ModuleCast] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -115,4 +129,27 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
                 "into an override fn: drop param_dtype_override_fn, or use torch's "
                 "MixedPrecisionPolicy with the override fn alone"
             )
-        object.__setattr__(self, "param_dtype_map", _DtypeMap(checked))
+        object.__setattr__(self, "param_dtype_map", _FrozenMap(checked))
+        object.__setattr__(self, "module_casts", _FrozenMap(_checked_casts(self.module_casts)))
+
+
+def _checked_casts(raw: object) -> dict[str, ModuleCast]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"module_casts must be a mapping of module FQN to ModuleCast, got "
+            f"{type(raw).__name__}; pass e.g. {{'mlp.gate': ModuleCast(torch.float32)}}"
+        )
+    for key, cast in raw.items():
+        if not isinstance(key, str) or _WILDCARDS.intersection(key):
+            raise ValueError(
+                f"module_casts keys must be exact module FQNs ('' is the module passed to "
+                f"fully_shard), got {key!r}; use names from module.named_modules()"
+            )
+        if not isinstance(cast, ModuleCast):
+            raise ValueError(
+                f"module_casts[{key!r}] must be a ModuleCast, got {cast!r}; write "
+                "ModuleCast(torch.float32) (inputs) or ModuleCast(torch.float32, outputs=True)"
+            )
+    return dict(raw)

@@ -20,12 +20,21 @@ from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.resolve import ResolvedMap, resolve_param_dtype_map
 from fsdp_precision._releases import ReleaseTraits, release_traits
 
-__all__ = ["check_call", "check_manageable", "check_planned_call", "has_map", "uses_native"]
+__all__ = [
+    "check_call",
+    "check_manageable",
+    "check_planned_call",
+    "needs_resolution",
+    "uses_native",
+]
 
 
-def has_map(policy: MixedPrecisionPolicy) -> bool:
-    """Whether ``policy`` is a ``ParamDtypeMixedPrecisionPolicy`` with a non-empty map."""
-    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and bool(policy.param_dtype_map)
+def needs_resolution(policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``policy`` asks this library for anything: a ``ParamDtypeMixedPrecisionPolicy``
+    with a non-empty map or boundary casts. Any other policy takes torch's exact path."""
+    return isinstance(policy, ParamDtypeMixedPrecisionPolicy) and bool(
+        policy.param_dtype_map or policy.module_casts
+    )
 
 
 def check_manageable(params: Sequence[nn.Parameter], fqns: dict[int, tuple[str, ...]]) -> None:
@@ -68,7 +77,7 @@ def check_call(
     """Every refusal ``fully_shard(modules, mp_policy=policy)`` would make on this release, for
     the ``params`` it would manage, as :class:`ParamDtypeMapError`; nothing is modified."""
     resolved: ResolvedMap | None = None
-    if has_map(policy):
+    if needs_resolution(policy):
         assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)
         resolved = resolve_param_dtype_map(modules, params, policy)
         if resolved.by_param and uses_native(release, params, resolved, policy):

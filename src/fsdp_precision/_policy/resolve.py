@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.dtypes import dtype_name, dtype_repr
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._policy.casts import ModuleCast, resolve_casts
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import resolve_by_slot
 
@@ -35,12 +36,15 @@ class ResolvedMap:
         fqns: ``id(parameter) -> local FQNs`` for every managed parameter, aliases included.
         scope_entries: Root-relative entries of a model-scoped policy this call resolves
             (recorded on the scope once the call succeeds). (Default: empty)
+        casts: The modules whose boundary casts this call installs once it succeeds, each with
+            its cast. (Default: ``()``)
     """
 
     by_param: dict[int, torch.dtype]
     by_slot: dict[tuple[int, str], torch.dtype]
     fqns: dict[int, tuple[str, ...]]
     scope_entries: frozenset[str] = frozenset()
+    casts: tuple[tuple[nn.Module, ModuleCast], ...] = ()
 
 
 def resolve_param_dtype_map(
@@ -115,6 +119,7 @@ def resolve_param_dtype_map(
         by_param=by_param,
         by_slot=by_slot,
         fqns={k: tuple(v) for k, v in fqns.items()},
+        casts=resolve_casts(modules, policy.module_casts or {}),
     )
 
 
@@ -133,6 +138,7 @@ def _resolve_scoped(
         by_slot=by_slot,
         fqns={k: tuple(v) for k, v in local.items()},
         scope_entries=frozenset(entries),
+        casts=scope.casts_under(modules),
     )
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 
 __all__ = ["ModelScope", "ModelScopedPolicy", "Slot", "resolve_by_slot"]
@@ -43,6 +44,9 @@ class ModelScope:
         modules: Every module of the model when the policy was built, held weakly (a module
             created later is never mistaken for one of them, even at a reused address).
         resolved: Root-relative FQNs a completed ``fully_shard`` call has resolved.
+        casts: ``id(module) -> (root-relative FQN, cast)`` of every module whose boundary the
+            calls cast (the first call that includes the module installs the hooks). (Default:
+            none)
     """
 
     root: int
@@ -50,11 +54,22 @@ class ModelScope:
     entries: Mapping[Slot, tuple[str, torch.dtype]]
     modules: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     resolved: set[str] = field(default_factory=set)
+    casts: Mapping[int, tuple[str, ModuleCast]] = field(default_factory=dict)
 
     @property
     def fqns(self) -> set[str]:
         """Every entry's root-relative FQN (one per parameter)."""
         return {fqn for fqn, _ in self.entries.values()}
+
+    def casts_under(self, modules: Sequence[nn.Module]) -> tuple[tuple[nn.Module, ModuleCast], ...]:
+        """The modules under one call's ``modules`` with a boundary cast, each with its cast."""
+        found: dict[int, tuple[nn.Module, ModuleCast]] = {}
+        for member in modules:
+            for sub in member.modules():
+                entry = self.casts.get(id(sub))
+                if entry is not None and sub in self.modules:
+                    found.setdefault(id(sub), (sub, entry[1]))
+        return tuple(found.values())
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._releases import release_traits
 
 __all__ = ["Reference"]
@@ -108,14 +109,18 @@ class Reference:
         self.masters: dict[str, nn.Parameter] = {}
         with torch.no_grad():
             for fqn, param in self.module.named_parameters():  # one name per tied parameter
+                storage = planned[fqn].storage  # upcast exactly where plan.apply() will
                 self.masters[fqn] = nn.Parameter(
-                    param.detach().clone(), requires_grad=param.requires_grad
+                    param.detach().to(storage, copy=True), requires_grad=param.requires_grad
                 )
                 compute = planned[fqn].compute
                 if param.dtype != compute:
                     param.data = param.data.to(compute)
         _defer_grad_upcast(self.module, plan)
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        # The boundary casts of kept modules, as the construction step installs them; after the
+        # unit hooks below, in the order FSDP's prepended hooks and the casts run.
+        boundaries = [(self.module.get_submodule(f), c) for f, c in plan.module_casts.items()]
         for unit in plan.units:
             policy = unit.policy
             cast = policy.param_dtype if policy.cast_forward_inputs else None
@@ -126,6 +131,8 @@ class Reference:
                 )
                 if policy.output_dtype is not None:
                     ref.register_forward_hook(_post_forward(policy.output_dtype))
+        for kept, boundary in boundaries:
+            install_cast(kept, boundary)
 
     def master_grads(self) -> dict[str, torch.Tensor | None]:
         """Each compute-dtype gradient through its reduce dtype into its storage dtype."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -117,12 +116,12 @@ def run(opts: DemoOptions) -> int:
             return 0
     else:
         out = out or Path(tempfile.mkdtemp(prefix="fsdp-precision-demo-"))
-        train = launch(_train_rank, (opts, out), nproc=opts.nproc, start_method=_start_method())
+        train = launch(_train_rank, (opts, out), nproc=opts.nproc)
     assert train is not None
     out = Path(train.output_dir)
     try:
         # A torchrun rank has run autograd by now: its children must start fresh (no fork).
-        method = "spawn" if under_torchrun() else _start_method()
+        method = "spawn" if under_torchrun() else "auto"
         with _outside_torchrun():
             resume = launch(_resume_rank, (opts, out), nproc=opts.resume_world, start_method=method)
         assert resume is not None
@@ -154,12 +153,6 @@ def _output_dir(opts: DemoOptions) -> Path:
         raise ValueError(f"--output-dir {opts.output_dir!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def _start_method() -> str:
-    # Forked ranks inherit torch and transformers already imported (seconds each); CUDA cannot
-    # be used in a forked child, so with GPUs the ranks start fresh.
-    return "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
 
 
 @contextmanager

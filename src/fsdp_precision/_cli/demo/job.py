@@ -187,7 +187,7 @@ class Training:
                 first = step == 1 and index == job.mine[0]
                 probe = GatherProbe(ours) if first else None
                 with CollectiveRecorder() as rec_ours:
-                    loss = self._first_forward(tokens) if first else job.loss(ours, tokens)
+                    loss = job.loss(ours, tokens)
                     if first:
                         # Forward all-gathers happen in order, one per unit, after its marker.
                         for name, gather in zip(order, rec_ours.of("all_gather"), strict=False):
@@ -257,22 +257,6 @@ class Training:
             ),
             mismatches=tuple(mismatches),
         )
-
-    def _first_forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        try:
-            return self.job.loss(self.ours, tokens)
-        except RuntimeError as exc:
-            if "dtype" not in str(exc):
-                raise
-            kept = sorted(p.fqn for u in self.plan.units for p in u.params if p.mapped)
-            first = str(exc).splitlines()[0]
-            raise RuntimeError(
-                f"the forward failed with {len(kept)} kept parameters ({', '.join(kept[:3])}"
-                f"{', ...' if len(kept) > 3 else ''}): {first}. A kept parameter's module "
-                "receives activations in the unit's dtype and must cast them itself (the "
-                "activation boundary is not moved, see docs/rules.md): keep only modules whose "
-                "forward does"
-            ) from exc
 
 
 # --------------------------------------------------------------------------- phase 2: resume

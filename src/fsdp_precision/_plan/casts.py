@@ -1,0 +1,110 @@
+"""Which modules of a planned unit get boundary casts, from the rules that claimed their
+parameters (``Glob(..., boundary=...)``; see :mod:`fsdp_precision._policy.casts`).
+
+A module gets one where the whole subtree it holds is kept: every parameter under it that the
+unit manages was claimed by a rule, and all compute in one dtype other than the activations'.
+Only the outermost such module of a subtree does (a kept ``time_embedder`` casts once, not
+again at each of its linears; a container such as a ``ModuleList`` of norms is never called, so
+its members do), and never a module whose subtree holds parameters of another
+dtype (a block with a kept ``scale_shift_table``, RWKV's attention with its ``time_decay``): its
+forward does more than use what is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._hf.boundaries import returns_activations
+from fsdp_precision._plan.claims import Claimed
+from fsdp_precision._plan.rules import DeclaredRule, rule_label
+from fsdp_precision._plan.units import CONTAINERS
+from fsdp_precision._policy.casts import Boundary, ModuleCast, cast_for
+
+__all__ = ["activation_dtype", "local_casts", "module_casts"]
+
+
+def activation_dtype(
+    param_dtype: torch.dtype | None, unclaimed: Iterable[tuple[torch.dtype, int]]
+) -> torch.dtype | None:
+    """The dtype activations flow in between kept modules: ``param_dtype``, else the storage
+    dtype of most ``(dtype, numel)`` unclaimed floating parameters (``None`` if there are none)."""
+    if param_dtype is not None:
+        return param_dtype
+    counts: dict[torch.dtype, int] = {}
+    for dtype, numel in unclaimed:
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + numel
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def module_casts(
+    members: Sequence[nn.Module],
+    compute: Mapping[int, torch.dtype],
+    claimed: Claimed,
+    activation: torch.dtype | None,
+    names: Mapping[int, str],
+) -> dict[str, ModuleCast]:
+    """Root-relative module FQN (``names``: ``id(module) -> FQN``) -> cast, for one call of
+    ``members`` computing the parameters it manages (by ``id``) as ``compute`` says, with
+    activations in ``activation``. Raises :class:`ParamDtypeMapError` where the user rules that
+    claimed one module's parameters ask for different boundaries."""
+    casts: dict[str, ModuleCast] = {}
+    if activation is None:
+        return casts
+    for member in members:
+        covered: list[str] = []  # outermost cast modules so far: their subtrees are done
+        for name, module in member.named_modules():
+            if any(c == "" or name == c or name.startswith(f"{c}.") for c in covered):
+                continue
+            if isinstance(module, CONTAINERS):  # never called: its members get the casts
+                continue
+            params = [p for p in module.parameters() if p.dim() > 0]  # 0-dim: replicated
+            if not params or not all(id(p) in compute and id(p) in claimed for p in params):
+                continue
+            dtypes = {compute[id(p)] for p in params}
+            if len(dtypes) != 1 or activation in dtypes:
+                continue
+            boundary = _boundary(names[id(module)], params, claimed)
+            back = returns_activations(module)
+            cast = cast_for(boundary, dtypes.pop(), params, activation, returns_activations=back)
+            if cast is not None:
+                casts.setdefault(names[id(module)], cast)
+                covered.append(name)
+    return casts
+
+
+def local_casts(
+    member: nn.Module, prefix: str, casts: Mapping[str, ModuleCast]
+) -> dict[str, ModuleCast]:
+    """``casts`` (root-relative) as keys relative to ``member``, which is named ``prefix``."""
+    if not prefix:
+        return dict(casts)
+    start = f"{prefix}."
+    return {
+        ("" if fqn == prefix else fqn[len(start) :]): cast
+        for fqn, cast in casts.items()
+        if fqn == prefix or fqn.startswith(start)
+    }
+
+
+def _boundary(name: str, params: Sequence[nn.Parameter], claimed: Claimed) -> Boundary:
+    """The one boundary the user rules that claimed ``params`` ask for; ``"none"`` where only
+    declarations and packed storage did (the model casts there for itself)."""
+    asked: dict[Boundary, str] = {}
+    for param in params:
+        rule = claimed[id(param)][1]
+        if not isinstance(rule, DeclaredRule):
+            asked.setdefault(rule.boundary, rule_label(rule))
+    if len(asked) > 1:
+        shown = ", ".join(
+            label + (" (boundary 'auto')" if b == "auto" else "") for b, label in asked.items()
+        )
+        raise ParamDtypeMapError(
+            f"module {name or '<root>'!r} is kept whole, but the rules that claimed its "
+            f"parameters ask for different boundaries: {shown}; give them the same boundary"
+        )
+    return next(iter(asked), "none")

@@ -1,0 +1,106 @@
+"""The plan's trace: one forward and backward of the model as its FSDP units will compute it,
+before anything is wrapped.
+
+Built on the :class:`~fsdp_precision._verify.reference.Reference` (each parameter in its planned
+compute dtype, each unit's input and output casts, the boundary casts) with the hooks that name
+a kept parameter in a dtype error (:mod:`fsdp_precision._policy.diagnose`). On a meta-device
+model it costs no memory and no compute: the meta kernels check dtypes as the real ones do
+("expected m1 and m2 to have the same dtype"). ``fsdp-precision plan`` runs it on the model's
+``dummy_inputs`` and warns with the note when it fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._policy.casts import installed_cast
+from fsdp_precision._policy.diagnose import (
+    install_diagnosis,
+    is_dtype_mismatch,
+    kept_modules,
+    notes_of,
+)
+from fsdp_precision._verify.reference import Reference
+
+__all__ = ["DtypeTrace", "trace_compute_dtypes"]
+
+
+@dataclass(frozen=True)
+class DtypeTrace:
+    """What the trace saw.
+
+    Attributes:
+        ok: The forward and backward ran.
+        error: The first line of the error, when it did not (``""`` otherwise).
+        notes: The notes naming the kept parameter, the module and the fix (dtype errors).
+        dtype_error: Whether the error was a dtype mismatch (others, such as a meta kernel
+            missing, say nothing about the plan).
+    """
+
+    ok: bool
+    error: str = ""
+    notes: tuple[str, ...] = ()
+    dtype_error: bool = False
+
+
+def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
+    """Run ``plan.model`` as the plan's units will compute it, on ``inputs`` (keyword arguments
+    for a mapping, positional for a tuple), forward and backward of the sum of its floating
+    outputs; nothing of ``plan.model`` is modified. The inputs move to the model's device."""
+    reference = Reference(plan)
+    module = reference.module
+    _diagnose(module, plan)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    moved = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            out = _call(module, moved)
+            leaves = [
+                t
+                for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+            ]
+            if leaves:
+                sum(t.float().sum() for t in leaves).backward()  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - reported, the plan is only read
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return DtypeTrace(
+            ok=False,
+            error=f"{type(exc).__name__}: {first}"[:240],
+            notes=tuple(notes_of(exc)),
+            dtype_error=is_dtype_mismatch(exc),
+        )
+    return DtypeTrace(ok=True)
+
+
+def _diagnose(module: nn.Module, plan: PrecisionPlan) -> None:
+    """The construction step's naming hooks on the reference's units."""
+    names = {id(m): n for n, m in plan.model.named_modules(remove_duplicate=False)}
+    planned = plan.params_by_fqn
+    for unit in plan.units:
+        roots = [names[id(m)] for m in unit.modules]
+        members = [module.get_submodule(n) for n in roots]
+        by_slot: dict[tuple[int, str], torch.dtype] = {}
+        for root, member in zip(roots, members, strict=True):
+            for prefix, sub in member.named_modules(remove_duplicate=False):
+                for attr in sub._parameters:
+                    p = planned.get(".".join(part for part in (root, prefix, attr) if part))
+                    if p is not None and p.mapped:
+                        by_slot[(id(sub), attr)] = p.compute
+        casts = [(m, c) for member in members for m in member.modules() if (c := installed_cast(m))]
+        if by_slot or casts:
+            install_diagnosis(members, kept_modules(members, by_slot, casts))
+
+
+def _call(module: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
