@@ -10,6 +10,8 @@ One entry point for each way of calling ``fully_shard``:
   ``apply()``), from :class:`PrecisionRules`;
 - units chosen for you: :func:`wrap_model_for_training` with a :class:`DistributedConfig`.
 
+Which parameters need more than bf16: :func:`advise` (and ``PrecisionRules(advice=...)``).
+
 Checkpoints are in :mod:`fsdp_precision.checkpoint`, Hugging Face helpers in
 :mod:`fsdp_precision.hf`, framework seams in :mod:`fsdp_precision.integrations`, and what you
 check your own model with in :mod:`fsdp_precision.testing`.
@@ -47,6 +49,7 @@ from fsdp_precision._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
+from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.model_policy import model_policy
 from fsdp_precision._plan.plan import PrecisionPlan
@@ -77,11 +80,13 @@ __all__ = [
     "PatchIntegrityError",
     "PlannedParam",
     "PlannedUnit",
+    "PrecisionAdvice",
     "PrecisionPlan",
     "PrecisionRules",
     "UnitUsageError",
     "UnsupportedTorchError",
     "__version__",
+    "advise",
     "apply_param_dtype_map_patch",
     "auto_wrap_units",
     "compile_param_dtype_maps",

@@ -182,6 +182,29 @@ def test_plan_json_for_a_hub_architecture_on_meta() -> None:
     assert data["alternatives"]["separate_units"]["units"] == data["totals"]["units"] + 58
 
 
+@requires_transformers_5
+def test_plan_advises_qwen3_moe_router_gates_and_applies_them() -> None:
+    pytest.importorskip("transformers")
+    out = run(*CLI, "plan", "hf:qwen3_moe", "--no-trace")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    at = lines.index("precision advice (traced a forward on Qwen3MoeForCausalLM.dummy_inputs):")
+    assert lines[at + 1].split() == ["router", "24", "params", 'Glob("*.mlp.gate.weight")']
+    assert lines[at + 2].strip().startswith(
+        "model.layers.0.mlp.gate.weight: linear -> softmax -> topk in model.layers.0.mlp.gate "
+        "(Qwen3MoeTopKRouter): its scores pick the experts"
+    )
+    applied = run(*CLI, "plan", "hf:qwen3_moe", "--no-trace", "--advice", "apply", "--json")
+    assert applied.returncode == 0, applied.stderr[-2000:]
+    data = json.loads(applied.stdout)
+    assert data["rule_claims"]["advice (router) '*.mlp.gate.weight'"] == 24
+    layer = next(u for u in data["units"] if u["name"] == "model.layers.0")
+    assert layer["policy"]["param_dtype_map"] == {"mlp.gate.weight": "float32"}
+    assert data["advice"]["advice"][0]["kind"] == "norm"  # what is left computing in bf16
+    bad = run(*CLI, "plan", "hf:qwen3_moe", "--advice", "always")
+    assert bad.returncode == 2 and "invalid choice: 'always'" in bad.stderr
+
+
 def test_plan_table_for_module_callable_with_keep_rules() -> None:
     out = run(
         *CLI,

@@ -40,6 +40,18 @@ def _add_boundary(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_advice(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--advice",
+        choices=("report", "apply", "off"),
+        default="report",
+        help="the precision advisor (a traced forward finds routers, log-space parameters, "
+        "gains and norms that compute in bf16/fp16): report lists them under the plan, apply "
+        "also keeps routers, log-space parameters and gains in fp32, off skips it "
+        "(default: report)",
+    )
+
+
 def _add_units(parser: argparse.ArgumentParser, default: str | None, text: str) -> None:
     parser.add_argument(
         "--units",
@@ -126,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_keep(plan)
     _add_boundary(plan)
+    _add_advice(plan)
     _add_units(plan, "size", "(default: size)")
     plan.add_argument(
         "--no-trace",
@@ -162,6 +175,7 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     _add_precision(verify, ("bf16", "fp16", "fp32"))
     _add_keep(verify)
     _add_boundary(verify)
+    _add_advice(verify)
     _add_units(verify, None, "(default: size with --min-params, else transformer_block)")
     verify.add_argument(
         "--full-size",
@@ -215,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rules=tuple(args.keep),
                     units=args.units,
                     boundary=args.boundary,
+                    advice=args.advice,
                     trace=not args.no_trace,
                     as_json=args.json,
                 )
@@ -233,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     min_params=args.min_params,
                     units=args.units,
                     boundary=args.boundary,
+                    advice=args.advice,
                     seed=args.seed,
                     as_json=args.json,
                 )

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules
+from fsdp_precision._plan.rules import ADVICE_MODES, AdviceMode, Glob, ModuleClass, PrecisionRules
 from fsdp_precision._plan.units import accelerate_units, auto_wrap_units, default_units
 from fsdp_precision._policy.casts import BOUNDARIES, Boundary
 from fsdp_precision._train.config import PRESETS
@@ -40,14 +40,19 @@ def precision_rules(
     extra: Iterable[Glob | ModuleClass] = (),
     *,
     boundary: Boundary = "auto",
+    advice: AdviceMode = "report",
 ) -> PrecisionRules:
     """The ``--precision`` preset with the ``--keep`` rules (``--boundary``) first, then
-    ``extra``."""
+    ``extra``; the advisor as ``--advice`` says."""
     if preset not in PRESETS:
         raise ValueError(f"--precision must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if advice not in ADVICE_MODES:
+        raise ValueError(f"--advice must be one of {', '.join(ADVICE_MODES)}, got {advice!r}")
     param_dtype, reduce_dtype = PRESETS[preset]
     rules = (*(parse_keep(k, boundary) for k in keep), *extra)
-    return PrecisionRules(param_dtype=param_dtype, reduce_dtype=reduce_dtype, rules=rules)
+    return PrecisionRules(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, rules=rules, advice=advice
+    )
 
 
 def units_of(

@@ -31,6 +31,7 @@ class PlanOptions:
     rules: tuple[str, ...] = ()
     units: str = "size"
     boundary: str = "auto"
+    advice: str = "report"
     trace: bool = True
     as_json: bool = False
 
@@ -48,7 +49,12 @@ class PlanOptions:
 
 
 def _rules(opts: PlanOptions) -> PrecisionRules:
-    return precision_rules(opts.precision, opts.rules, boundary=opts.boundary)  # type: ignore[arg-type]
+    return precision_rules(
+        opts.precision,
+        opts.rules,
+        boundary=opts.boundary,  # type: ignore[arg-type]
+        advice=opts.advice,  # type: ignore[arg-type]
+    )
 
 
 def _plan(model: nn.Module, opts: PlanOptions, world_size: int) -> PrecisionPlan:

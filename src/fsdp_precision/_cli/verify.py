@@ -23,6 +23,7 @@ from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
 from fsdp_precision._patch import apply_param_dtype_map_patch
+from fsdp_precision._plan.advice import PrecisionAdvice
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._verify.parity import verify_parity
@@ -48,6 +49,7 @@ class VerifyOptions:
     min_params: int | None = None
     units: str | None = None
     boundary: str = "auto"
+    advice: str = "report"
     seed: int = 0
     as_json: bool = False
 
@@ -79,15 +81,24 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     model = load_model(
         opts.model, device=device, tiny=opts.tiny, dtype=torch.float32 if hf else None
     )
-    rules = precision_rules(opts.precision, opts.rules, boundary=opts.boundary)  # type: ignore[arg-type]
+    rules = precision_rules(
+        opts.precision,
+        opts.rules,
+        boundary=opts.boundary,  # type: ignore[arg-type]
+        advice=opts.advice,  # type: ignore[arg-type]
+    )
     layout = opts.units or ("transformer_block" if opts.min_params is None else "size")
-    inputs = None
-    if layout == "size":
-        # The check's own inputs feed the traced forward that keeps units torch cannot run out.
-        inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+    # The check's own inputs feed the traced forwards: the one that keeps units torch cannot
+    # run out (size-based units) and, on the ranks' real tensors, the precision advisor's.
+    inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
     min_params = 10_000_000 if opts.min_params is None else opts.min_params
-    units = units_of(model, layout, min_params=min_params, example_inputs=inputs)
-    plan = compile_param_dtype_maps(model, rules, units, world_size=opts.nproc)
+    units = units_of(
+        model, layout, min_params=min_params, example_inputs=inputs if layout == "size" else None
+    )
+    advised = inputs if device != "meta" else None
+    plan = compile_param_dtype_maps(
+        model, rules, units, world_size=opts.nproc, example_inputs=advised
+    )
     return model, plan
 
 
@@ -154,7 +165,7 @@ def run_verify(opts: VerifyOptions) -> int:
     del model, plan
     # The ranks are forked where that is safe: they inherit torch and transformers already
     # imported (the imports take longer than the check).
-    report = launch(_rank, (opts,), nproc=opts.nproc)
+    report, advice = launch(_rank, (opts,), nproc=opts.nproc)
     if is_rank0():
         header = {
             "spec": opts.model,
@@ -163,20 +174,24 @@ def run_verify(opts: VerifyOptions) -> int:
             "precision": opts.precision,
             "torch": torch.__version__,
         }
+        found = {"advice": advice.to_dict() if advice is not None else None}
         if opts.as_json:
-            print(json.dumps({**header, **report.to_dict()}, indent=2))
+            print(json.dumps({**header, **report.to_dict(), **found}, indent=2))
         else:
             print(format_report(report, header))
+            if advice is not None:
+                print(f"\n{advice.explain()}")
     return 0 if report.ok else 1
 
 
-def _rank(opts: VerifyOptions) -> ParityReport:
+def _rank(opts: VerifyOptions) -> tuple[ParityReport, PrecisionAdvice | None]:
     torch.set_num_threads(1)
     with process_group("gloo"):
         apply_param_dtype_map_patch()
         model, plan = _build(opts, "cpu")
+        advice = plan.advice  # traced at compile time, before the model is wrapped
         inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
-        return verify_parity(plan, inputs, seed=opts.seed)
+        return verify_parity(plan, inputs, seed=opts.seed), advice
 
 
 # --------------------------------------------------------------------------- presentation

@@ -1,4 +1,5 @@
-"""Which rule claims each parameter: packed storage, then user rules, then declarations.
+"""Which rule claims each parameter: packed storage, then user rules, then declarations, then
+the advice (``PrecisionRules(advice="apply")``).
 
 The first rule (in that order) that matches any of a parameter's names claims it; a user rule
 that claims nothing is an error, and so is a kept dtype wider than the parameter's storage.
@@ -16,7 +17,13 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._plan.quantized import packed_storage_rules
 from fsdp_precision._plan.records import RuleClaims
-from fsdp_precision._plan.rules import AnyRule, DeclaredRule, PrecisionRules, rule_label
+from fsdp_precision._plan.rules import (
+    AdvisedRule,
+    AnyRule,
+    DeclaredRule,
+    PrecisionRules,
+    rule_label,
+)
 
 __all__ = ["Claimed", "claim_params", "fqns_by_param", "owner_of", "planned_upcasts"]
 
@@ -43,20 +50,21 @@ def claim_params(
     rules: PrecisionRules,
     decls: Sequence[Declaration],
     fqns_of: dict[int, list[str]],
+    advised: Sequence[AdvisedRule] = (),
 ) -> tuple[Claimed, tuple[RuleClaims, ...]]:
     """Each parameter claimed by the first rule that matches any of its names.
 
     Packed quantized storage first (it is never cast), then user rules, in order, then the
-    model's declarations. A user rule that matches nothing, or whose every match an earlier rule
-    took, is an error; a shadowed declaration is ordinary precedence (``explain()`` shows it with
-    0 parameters).
+    model's declarations, then ``advised``. A user rule that matches nothing, or whose every
+    match an earlier rule took, is an error; a shadowed declaration or advice is ordinary
+    precedence (``explain()`` shows it with 0 parameters).
     """
     declared = [
         DeclaredRule(source=d.source, pattern=d.pattern, fqns=d.params) for d in decls if d.params
     ]
     packed = packed_storage_rules(model)
     first = len(packed)  # index of the first user rule in ``ordered``
-    ordered: list[AnyRule] = [*packed, *rules.rules, *declared]
+    ordered: list[AnyRule] = [*packed, *rules.rules, *declared, *advised]
     owners = {f: owner_of(model, f) for fqns in fqns_of.values() for f in fqns}
     claimed: list[list[str]] = [[] for _ in ordered]
     claimed_by: Claimed = {}

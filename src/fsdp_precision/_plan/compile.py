@@ -17,6 +17,7 @@ import torch.nn as nn
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
+from fsdp_precision._plan.advice import advise, advised_rules
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
 from fsdp_precision._plan.plan import PrecisionPlan
@@ -47,6 +48,7 @@ def compile_param_dtype_maps(
     world_size: int = 1,
     reshard_after_forward: bool | int | None = None,
     hsdp: bool = False,
+    example_inputs: object = None,
 ) -> PrecisionPlan:
     """Compile ``rules`` into one exact map per planned ``fully_shard`` call.
 
@@ -59,6 +61,10 @@ def compile_param_dtype_maps(
     ``reshard_after_forward`` (as passed to ``fully_shard``) and ``hsdp`` (a 2-D replicate x
     shard mesh) shape the collective counts and bytes the plan reports;
     :meth:`PrecisionPlan.apply` passes the plan's ``reshard_after_forward``.
+    ``example_inputs`` (a mapping of keyword arguments, a tuple or one tensor) feed the
+    precision advisor's traced forward (``PrecisionRules.advice``), which then runs here;
+    without them it runs on the model's ``dummy_inputs``, here with ``advice="apply"``, else
+    when :attr:`PrecisionPlan.advice` is first read.
 
     Raises :class:`ParamDtypeMapError` (before anything is wrapped) for rules that match nothing,
     user rules that earlier rules fully shadow, parameters no unit owns, ties across units,
@@ -76,7 +82,10 @@ def compile_param_dtype_maps(
     fqns_of = fqns_by_param(model)
     decision_dtype = rules.param_dtype or _majority_dtype(model)
     decls = tuple(declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
-    claimed, claims = claim_params(model, rules, decls, fqns_of)
+    traced = rules.advice == "apply" or (rules.advice == "report" and example_inputs is not None)
+    found = advise(model, example_inputs) if traced else None
+    advised = advised_rules(found) if found is not None and rules.advice == "apply" else ()
+    claimed, claims = claim_params(model, rules, decls, fqns_of, advised)
     upcasts = planned_upcasts(model, claimed, fqns_of)
 
     module_ids = {id(m) for _, m in model.named_modules(remove_duplicate=False)}
@@ -109,6 +118,7 @@ def compile_param_dtype_maps(
         world_size=world_size,
         reshard_after_forward=reshard_after_forward,
         hsdp=hsdp,
+        found_advice=found,
     )
     return plan if in_unit else separate_units_plan(plan)
 

@@ -19,6 +19,7 @@ from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan import cost, preflight, report
+from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
 from fsdp_precision._plan.replicated import average_gradients
 from fsdp_precision._plan.rules import PrecisionRules
@@ -47,6 +48,8 @@ class PrecisionPlan:
             storage dtype, gradients averaged after backward. (Default: ``()``)
         unit_choice: How the units were chosen and which selected modules were refused
             (``plan_model_for_training``). (Default: ``None``, units given by the caller)
+        found_advice: What the precision advisor found when the plan was compiled with
+            ``advice="apply"``. (Default: ``None``: traced when :attr:`advice` is first read)
     """
 
     model: nn.Module
@@ -59,6 +62,7 @@ class PrecisionPlan:
     hsdp: bool = False
     replicated: tuple[PlannedParam, ...] = ()
     unit_choice: UnitChoice | None = None
+    found_advice: PrecisionAdvice | None = None
 
     # ----------------------------------------------------------------- reading
 
@@ -84,6 +88,21 @@ class PrecisionPlan:
         """The parameters whose storage :meth:`apply` upcasts exactly to the dtype a user rule
         keeps them in (``PlannedParam.upcast_from``: a bf16 checkpoint's router kept in fp32)."""
         return tuple(p for u in self.units for p in u.params if p.upcast_from is not None)
+
+    @functools.cached_property
+    def advice(self) -> PrecisionAdvice | None:
+        """The precision advisor's findings among the parameters this plan computes in a
+        dtype narrower than fp32 (``None`` with ``PrecisionRules(advice="off")``): traced from
+        the model's forward (its ``dummy_inputs``) when first read, before :meth:`apply`."""
+        if self.rules.advice == "off":
+            return None
+        found = self.found_advice if self.found_advice is not None else advise(self.model)
+        low = [
+            fqn
+            for fqn, p in self.params_by_fqn.items()
+            if p.compute is not None and p.compute.itemsize < 4
+        ]
+        return found.only(low)
 
     @property
     def rule_claims(self) -> dict[str, list[str]]:

@@ -129,6 +129,7 @@ def to_dict(plan: PrecisionPlan) -> dict[str, Any]:
             for s in (plan.unit_choice.skipped if plan.unit_choice else ())
         ],
         "parameter_uses": plan.unit_choice.traced if plan.unit_choice else None,
+        "advice": plan.advice.to_dict() if plan.advice is not None else None,
         "totals": plan.totals(),
         "alternatives": plan.alternatives(),
     }
@@ -204,6 +205,8 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         if separate["units"] is not None
         else f"  separate units:       not possible: {separate['note']}",
     ]
+    if plan.advice is not None:
+        lines += ["", plan.advice.explain()]
     return "\n".join(lines)
 
 

@@ -27,7 +27,18 @@ import torch.nn as nn
 from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_name
 from fsdp_precision._policy.casts import BOUNDARIES, Boundary
 
-__all__ = ["AnyRule", "DeclaredRule", "Glob", "ModuleClass", "PrecisionRules", "Rule", "rule_label"]
+__all__ = [
+    "ADVICE_MODES",
+    "AdviceMode",
+    "AdvisedRule",
+    "AnyRule",
+    "DeclaredRule",
+    "Glob",
+    "ModuleClass",
+    "PrecisionRules",
+    "Rule",
+    "rule_label",
+]
 
 
 @dataclass(frozen=True)
@@ -137,8 +148,41 @@ class DeclaredRule:
         return f"{self.source} {self.pattern!r}"
 
 
-#: Anything that can claim a parameter: a user rule or a model declaration.
-AnyRule = Glob | ModuleClass | DeclaredRule
+#: What the precision advisor does for a plan (:mod:`fsdp_precision._plan.advice`):
+#: ``"report"`` lists it under the plan (``explain()``, ``to_dict()``, ``fsdp-precision plan``);
+#: ``"apply"`` also keeps what it found (routers, log-space parameters, gains) in fp32, as
+#: rules after the user's rules and the model's declarations; ``"off"`` traces nothing.
+AdviceMode = Literal["report", "apply", "off"]
+ADVICE_MODES: tuple[AdviceMode, ...] = ("report", "apply", "off")
+
+
+@dataclass(frozen=True)
+class AdvisedRule:
+    """A rule the precision advisor made (``PrecisionRules(advice="apply")``): it claims like a
+    :class:`Glob`, after the user's rules and the model's declarations, with a boundary cast.
+
+    Attributes:
+        kind: What the advisor found: ``"router"``, ``"log_space"`` or ``"gain"``.
+        pattern: Glob over root-relative parameter FQNs.
+        dtype: The kept dtype. (Default: ``torch.float32``)
+        boundary: As for :class:`Glob`. (Default: ``"auto"``)
+    """
+
+    kind: str
+    pattern: str
+    dtype: torch.dtype = torch.float32
+    boundary: Boundary = "auto"
+
+    def matches(self, fqn: str, owner: nn.Module) -> bool:
+        """Whether the rule claims the parameter named ``fqn``."""
+        return fnmatch.fnmatchcase(fqn, self.pattern)
+
+    def __str__(self) -> str:
+        return f"advice ({self.kind}) {self.pattern!r}"
+
+
+#: Anything that can claim a parameter: a user rule, a model declaration or the advice.
+AnyRule = Glob | ModuleClass | DeclaredRule | AdvisedRule
 
 
 def _boundary_suffix(boundary: Boundary) -> str:
@@ -173,6 +217,11 @@ class PrecisionRules:
         hf_keep_in_fp32 (bool): Honour the model's ``_keep_in_fp32_modules`` (and ``_strict``)
             declarations, with the installed library's semantics, after ``rules``.
             (Default: ``True``)
+        advice (Literal["report", "apply", "off"]): The precision advisor, from a traced
+            forward of the model (its ``dummy_inputs``): ``"report"`` lists the parameters that
+            need more than the compute dtype under the plan (``explain()``, ``to_dict()``);
+            ``"apply"`` also keeps routers, log-space parameters and gains in fp32, after the
+            rules and the declarations; ``"off"`` traces nothing. (Default: ``"report"``)
         strategy (Literal["patch", "split"] | None): Deprecated: where kept parameters go is a
             unit layout, chosen by the planning verb (``compile_param_dtype_maps(...,
             layout="separate_units")``, ``DistributedConfig(fsdp_layout=...)``); ``"split"``
@@ -186,6 +235,7 @@ class PrecisionRules:
     cast_forward_inputs: bool = True
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     hf_keep_in_fp32: bool = True
+    advice: AdviceMode = "report"
     strategy: Literal["patch", "split"] | None = None
 
     def __post_init__(self) -> None:
@@ -209,6 +259,13 @@ class PrecisionRules:
                 "PrecisionRules.hf_keep_in_fp32 must be True or False, got "
                 f"{self.hf_keep_in_fp32!r}"
             )
+        if self.advice not in ADVICE_MODES:
+            raise ValueError(
+                f"PrecisionRules.advice is {self.advice!r}; use one of "
+                f"{', '.join(map(repr, ADVICE_MODES))}: 'report' lists the advice under the plan, "
+                "'apply' also keeps routers, log-space parameters and gains in fp32, 'off' "
+                "traces nothing"
+            )
         if self.strategy is not None:
             if self.strategy not in ("patch", "split"):
                 raise ValueError(
@@ -230,4 +287,5 @@ class PrecisionRules:
         # reduce_dtype=None: torch's rule, which 2.15 changed (ReleaseTraits.default_reduce_dtype)
         reduce = dtype_name(self.reduce_dtype) if self.reduce_dtype else "torch's default"
         hf = ", then model keep-in-fp32 declarations" if self.hf_keep_in_fp32 else ""
-        return f"default {default}, reduce {reduce}; rules: {rules}{hf}"
+        advice = ", then the advice" if self.advice == "apply" else ""
+        return f"default {default}, reduce {reduce}; rules: {rules}{hf}{advice}"

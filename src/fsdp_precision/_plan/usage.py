@@ -35,8 +35,18 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from fsdp_precision._base.watch import ROOT, ParamWatch, RunningModules, attribute_read
+from fsdp_precision._hf.tracing import traceable_experts
 
-__all__ = ["ParamUsage", "Use", "param_usage"]
+__all__ = [
+    "ParamUsage",
+    "Use",
+    "call_forward",
+    "default_inputs",
+    "first_line",
+    "on_model_device",
+    "param_usage",
+    "quiet_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +115,8 @@ class _Recorder(ParamWatch):
         self.seen.setdefault(key, (how, self.stack[-1] if self.stack else ROOT))
 
 
-def _default_inputs(model: nn.Module) -> tuple[Any, str] | None:
+def default_inputs(model: nn.Module) -> tuple[Any, str] | None:
+    """The model's own ``dummy_inputs`` (Hugging Face models) and where they come from."""
     try:
         dummy = getattr(model, "dummy_inputs", None)
     except Exception:  # noqa: BLE001 - a property that cannot build inputs
@@ -115,22 +126,32 @@ def _default_inputs(model: nn.Module) -> tuple[Any, str] | None:
     return None
 
 
-def _call(model: nn.Module, inputs: Any) -> None:
+def on_model_device(model: nn.Module, inputs: Any) -> Any:
+    """``inputs`` with every tensor moved to the device of ``model``'s parameters (call it
+    before a watch starts: it reads a parameter's ``.device``)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+
+
+def call_forward(model: nn.Module, inputs: Any) -> Any:
+    """``model`` called on ``inputs``: a mapping (keyword arguments), a tuple or list
+    (positional arguments) or one tensor."""
     if isinstance(inputs, Mapping):
-        model(**inputs)
-    elif isinstance(inputs, (tuple, list)):
-        model(*inputs)
-    else:
-        model(inputs)
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
 
 
 @contextmanager
-def _quiet_eval(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no gradient, the RNG forked (dropout consumes none); flags restored."""
+def quiet_forward(model: nn.Module) -> Iterator[None]:
+    """For a traced forward: eval mode, no gradient, the RNG forked (dropout consumes none),
+    fused experts on an implementation every dtype and device runs
+    (:func:`~fsdp_precision._hf.tracing.traceable_experts`); everything restored."""
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), traceable_experts(model):
             model.eval()
             yield
     finally:
@@ -141,17 +162,21 @@ def _quiet_eval(model: nn.Module) -> Iterator[None]:
 def _trace(
     model: nn.Module, inputs: Any, params: dict[int, str]
 ) -> tuple[dict[tuple[str, frozenset[str]], tuple[str, str]], str]:
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    moved = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
+    moved = on_model_device(model, inputs)
     running = RunningModules(model)
     recorder = _Recorder(params, running.stack)
     error = ""
-    with _quiet_eval(model), running, recorder:
+    with quiet_forward(model), running, recorder:
         try:
-            _call(model, moved)
+            call_forward(model, moved)
         except Exception as exc:  # noqa: BLE001 - keep what the forward saw before failing
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            error = first_line(exc)
     return recorder.seen, error
+
+
+def first_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"``, at most 160 characters."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
 
 
 def _is_model_code(module: str) -> bool:
@@ -245,7 +270,7 @@ def param_usage(model: nn.Module, example_inputs: Any = None) -> ParamUsage:
     params = _param_names(model)
     uses = _static_uses(model, modules, params)
     chosen = (example_inputs, "example_inputs") if example_inputs is not None else None
-    chosen = chosen or _default_inputs(model)
+    chosen = chosen or default_inputs(model)
     if chosen is None:
         traced = "no forward traced: no example_inputs and no dummy_inputs (static facts only)"
     else:

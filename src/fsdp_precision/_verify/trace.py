@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.usage import call_forward, on_model_device
 from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision._policy.diagnose import (
     install_diagnosis,
@@ -56,11 +57,9 @@ def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
     reference = Reference(plan)
     module = reference.module
     _diagnose(module, plan)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    moved = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, inputs)
     try:
         with torch.random.fork_rng(devices=[]):
-            out = _call(module, moved)
+            out = call_forward(module, on_model_device(module, inputs))
             leaves = [
                 t
                 for t in pytree.tree_leaves(out)
@@ -96,11 +95,3 @@ def _diagnose(module: nn.Module, plan: PrecisionPlan) -> None:
         casts = [(m, c) for member in members for m in member.modules() if (c := installed_cast(m))]
         if by_slot or casts:
             install_diagnosis(members, kept_modules(members, by_slot, casts))
-
-
-def _call(module: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return module(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return module(*inputs)
-    return module(inputs)

@@ -1,0 +1,41 @@
+"""A traced forward (the plan's parameter uses, the advisor) of a transformers MoE reaches its
+end on the meta device: fused experts dispatch to ``batched_mm`` while it runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from fsdp_precision._plan import usage
+from fsdp_precision._plan.usage import param_usage
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+
+def _qwen3_moe_on_meta() -> torch.nn.Module:
+    from tests.support import load_script
+
+    keep = load_script("scripts/screen_hf_keep.py")
+    with torch.device("meta"):
+        model = keep.build("qwen3_moe")
+    # As its own config has it (the screen's tiny one turns the cache off, and without a cache
+    # transformers checks position ids for packed sequences, which a meta tensor cannot answer).
+    model.config.use_cache = True
+    return model
+
+
+def test_the_trace_reaches_the_end_and_restores_the_config() -> None:
+    model = _qwen3_moe_on_meta()
+    before = model.config._experts_implementation
+    uses = param_usage(model)
+    assert uses.traced == "traced a forward on Qwen3MoeForCausalLM.dummy_inputs"
+    assert any("experts" in fqn for fqn in uses.uses)
+    assert model.config._experts_implementation == before
+
+
+def test_negative_control_without_the_switch_it_stops_at_the_experts(monkeypatch) -> None:
+    monkeypatch.setattr(usage, "traceable_experts", lambda model: contextlib.nullcontext())
+    uses = param_usage(_qwen3_moe_on_meta())
+    assert "stopped early" in uses.traced and "BF16" in uses.traced
