@@ -190,9 +190,13 @@ def test_plan_advises_qwen3_moe_router_gates_and_applies_them() -> None:
     lines = out.stdout.splitlines()
     at = lines.index("precision advice (traced a forward on Qwen3MoeForCausalLM.dummy_inputs):")
     assert lines[at + 1].split() == ["router", "24", "params", 'Glob("*.mlp.gate.weight")']
-    assert lines[at + 2].strip().startswith(
-        "model.layers.0.mlp.gate.weight: linear -> softmax -> topk in model.layers.0.mlp.gate "
-        "(Qwen3MoeTopKRouter): its scores pick the experts"
+    assert (
+        lines[at + 2]
+        .strip()
+        .startswith(
+            "model.layers.0.mlp.gate.weight: linear -> softmax -> topk in model.layers.0.mlp.gate "
+            "(Qwen3MoeTopKRouter): its scores pick the experts"
+        )
     )
     applied = run(*CLI, "plan", "hf:qwen3_moe", "--no-trace", "--advice", "apply", "--json")
     assert applied.returncode == 0, applied.stderr[-2000:]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
 from fsdp_precision import ParamDtypeMapError
@@ -278,3 +279,20 @@ def test_applied_advice_trains_with_the_routers_gathered_in_fp32(advice: str) ->
     # negative control: with advice="report" the routers compute in bf16
     assert set(gates.values()) == ({fp32} if advice == "apply" else {bf16})
     assert all(t.dtype == bf16 for n, t in probe.seen.items() if ".gate." not in n)
+
+
+@pytest.mark.usefixtures("world1")
+def test_model_policy_applies_the_advice_to_a_transformers_moe() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from tests.support import load_script
+
+    model = load_script("scripts/screen_hf_keep.py").build("qwen3_moe")
+    policy = fp.model_policy(model, fp.PrecisionRules(advice="apply"))
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    with GatherProbe(model) as probe:
+        model(input_ids=torch.randint(0, 100, (2, 8))).logits.float().sum().backward()
+    gates = {n: t.dtype for n, t in probe.seen.items() if n.endswith("mlp.gate.weight")}
+    assert len(gates) == 2 and set(gates.values()) == {fp32}
+    assert {t.dtype for n, t in probe.seen.items() if n not in gates} == {bf16}

@@ -84,6 +84,7 @@ def _tiny_llama() -> nn.Module:
 
 #: The packages a page's blocks import, beyond torch (its test skips, naming them, without).
 NEEDS = {
+    "docs/advice.md": ("transformers",),
     "docs/checkpoints.md": ("transformers", "safetensors"),
     "docs/integrations.md": ("transformers", "peft"),
 }

@@ -122,7 +122,11 @@ class PrecisionAdvice:
         line), then what the trace did not reach."""
         head = f"precision advice ({self.traced}):"
         if not self.covered:
-            return f"{head}\n  not covered: no parameter was reached, so there is no advice"
+            return (
+                f"{head}\n  not covered: no parameter was reached, so there is no advice; pass "
+                "inputs (compile_param_dtype_maps(..., example_inputs=...), "
+                'fsdp_precision.advise(model, inputs)) or PrecisionRules(advice="off")'
+            )
         lines = [head]
         strong = [a for a in self.advice if a.kind in APPLIED_KINDS]
         norms = [a for a in self.advice if a.kind == "norm"]
@@ -142,8 +146,8 @@ class PrecisionAdvice:
             lines.append(f"  not covered (the trace did not reach them): {shown}{more}")
         if strong:
             lines.append(
-                '  keep them: PrecisionRules(advice="apply") (routers, log-space, gains, sinusoidal), or '
-                "paste the rules"
+                '  keep them: PrecisionRules(advice="apply") (all but the norms), or paste the '
+                "rules"
             )
         return "\n".join(lines)
 

@@ -197,7 +197,7 @@ class Flow(TorchFunctionMode):
     # ------------------------------------------------------------------ taints
 
     def _taint_of(self, tensor: torch.Tensor) -> _Taint:
-        known = self.taints.get(tensor)
+        known = self.taints.get(tensor)  # type: ignore[no-untyped-call]
         if known is not None:
             return known  # type: ignore[no-any-return]
         fqn = self.params.get(id(tensor))
