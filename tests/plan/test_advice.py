@@ -296,3 +296,15 @@ def test_model_policy_applies_the_advice_to_a_transformers_moe() -> None:
     gates = {n: t.dtype for n, t in probe.seen.items() if n.endswith("mlp.gate.weight")}
     assert len(gates) == 2 and set(gates.values()) == {fp32}
     assert {t.dtype for n, t in probe.seen.items() if n not in gates} == {bf16}
+
+
+def test_the_trace_changes_nothing_of_the_model() -> None:
+    # train mode kept (bitsandbytes' CPU layers repack at an eval forward without gradients),
+    # but running statistics untouched: batch norms run in eval mode during the trace
+    model = nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W), nn.Linear(W, 4)).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen: list[bool] = []
+    model[0].register_forward_hook(lambda m, a, o: seen.append(m.training))
+    fp.advise(model, torch.randn(3, W))
+    assert seen == [True] and model.training and model[1].training
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())

@@ -178,9 +178,7 @@ def run_verify(opts: VerifyOptions) -> int:
         if opts.as_json:
             print(json.dumps({**header, **report.to_dict(), **found}, indent=2))
         else:
-            print(format_report(report, header))
-            if advice is not None:
-                print(f"\n{advice.explain()}")
+            print(format_report(report, header, advice))
     return 0 if report.ok else 1
 
 
@@ -197,8 +195,11 @@ def _rank(opts: VerifyOptions) -> tuple[ParityReport, PrecisionAdvice | None]:
 # --------------------------------------------------------------------------- presentation
 
 
-def format_report(report: ParityReport, header: dict[str, Any]) -> str:
-    """The human report: header, then the report's table and summary line."""
+def format_report(
+    report: ParityReport, header: dict[str, Any], advice: PrecisionAdvice | None = None
+) -> str:
+    """The human report: header, the precision advice, then the report's table and summary
+    line (the verdict stays the last line)."""
     world = report.world_size
     size = "tiny config" if header["tiny"] else "as built"
     processes = f"{world} process" if world == 1 else f"{world} processes"
@@ -210,6 +211,7 @@ def format_report(report: ParityReport, header: dict[str, Any]) -> str:
         f"loss {report.loss:.6f}, reference {report.reference_loss:.6f} "
         f"({'bitwise' if report.loss_match else 'DIFFERENT'})",
         "",
+        *([advice.explain(), ""] if advice is not None else []),
         report.format(max_problems=_MAX_PROBLEMS, rest="--json lists all"),
     ]
     return "\n".join(lines)

@@ -174,9 +174,10 @@ def advise(model: nn.Module, example_inputs: Any = None) -> PrecisionAdvice:
     """Trace one forward of ``model`` and find the parameters whose precision matters.
 
     ``example_inputs``: a mapping (keyword arguments), a tuple (positional) or one tensor;
-    default: the model's ``dummy_inputs`` (Hugging Face models). The model is not modified
-    (eval mode, no gradient and the RNG are restored). Without inputs, or when the forward
-    fails before reading any parameter, the advice says it is not covered.
+    default: the model's ``dummy_inputs`` (Hugging Face models). The model is not modified: the
+    forward runs in its own train/eval mode, without gradients, on a forked RNG. Without
+    inputs, or when the forward fails before reading any parameter, the advice says it is not
+    covered.
     """
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return PrecisionAdvice((), "not traced: the model is already sharded", covered=False)
@@ -192,7 +193,9 @@ def advise(model: nn.Module, example_inputs: Any = None) -> PrecisionAdvice:
     flow = Flow(model, running)
     flow.mark_inputs(moved)
     error = ""
-    with quiet_forward(model), running, flow:
+    # In the model's own mode: some layers change themselves at an eval forward without
+    # gradients (bitsandbytes' CPU 4-bit layers repack their weights in place).
+    with quiet_forward(model, eval_mode=False), running, flow:
         try:
             call_forward(model, moved)
         except Exception as exc:  # noqa: BLE001 - what ran before is advice; the rest is said

@@ -144,15 +144,21 @@ def call_forward(model: nn.Module, inputs: Any) -> Any:
 
 
 @contextmanager
-def quiet_forward(model: nn.Module) -> Iterator[None]:
-    """For a traced forward: eval mode, no gradient, the RNG forked (dropout consumes none),
-    fused experts on an implementation every dtype and device runs
-    (:func:`~fsdp_precision._hf.tracing.traceable_experts`); everything restored."""
+def quiet_forward(model: nn.Module, *, eval_mode: bool = True) -> Iterator[None]:
+    """For a traced forward: eval mode (with ``eval_mode=False`` the model's own mode, but
+    batch norms in eval mode: a train-mode forward updates their running statistics), no
+    gradient, the RNG forked (dropout consumes none), fused experts on an implementation every
+    dtype and device runs (:func:`~fsdp_precision._hf.tracing.traceable_experts`); everything
+    restored."""
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), traceable_experts(model):
-            model.eval()
+            if eval_mode:
+                model.eval()
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._NormBase):
+                    module.eval()
             yield
     finally:
         for module, training in flags:
