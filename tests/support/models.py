@@ -117,3 +117,39 @@ def train_in_lockstep(
             opt.zero_grad()
         for other in models[1:]:
             assert_same_params(models[0], other)
+
+
+class RoutedBlock(nn.Module):
+    """A pre-norm block whose router, like Qwen3-MoE's, takes its input as it comes (kept in
+    fp32 it needs its boundary cast) and picks the top 2 of 4 experts by softmax scores."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = self.gate(h).softmax(-1)
+        top, idx = scores.topk(2, dim=-1)
+        weights = torch.zeros_like(scores).scatter(-1, idx, top).sum(-1, keepdim=True)
+        return x + self.down(F.silu(self.up(h))) * weights.to(h.dtype)
+
+
+class RoutedNet(nn.Module):
+    """Blocks of :class:`RoutedBlock`, a final norm and a head."""
+
+    _no_split_modules = ("RoutedBlock",)
+
+    def __init__(self, dim: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RoutedBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

@@ -27,6 +27,7 @@ name -> ``(param_dtype, reduce_dtype)``; ``None`` keeps the storage dtype."""
 
 Preset = Literal["fp32", "bf16", "fp16"]
 Strategy = Literal["none", "ddp", "fsdp", "hsdp"]
+CompileBackend = Literal["off", "inductor", "aot_eager"]
 
 #: Fields kept for one release: (name, what to write instead).
 _DEPRECATED = {
@@ -69,6 +70,13 @@ class DistributedConfig:
             (Default: ``True``)
         hsdp_replicate_size: Replicas for ``"hsdp"``; must divide the world size. (Default:
             ``None``, required for ``"hsdp"``)
+        compile_units: ``torch.compile`` each unit but the root after wrapping it (its
+            ``module.compile(backend=...)``, as torchtitan compiles its blocks): ``"inductor"``,
+            ``"aot_eager"`` or ``"off"``. Kept parameters inside a unit add no graph break; a
+            separate unit inside a compiled one adds one per call (FSDP's hooks are not
+            traced). (Default: ``"off"``)
+        compile_fullgraph: Compile each unit as one graph (``fullgraph=True``): a graph break
+            is an error. (Default: ``False``)
         precision_rules: Deprecated: ``fsdp_mixed_precision=PrecisionRules(rules=...)``.
             (Default: ``None``)
         hf_keep_in_fp32: Deprecated: ``PrecisionRules(hf_keep_in_fp32=...)``.
@@ -85,6 +93,8 @@ class DistributedConfig:
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
     hsdp_replicate_size: int | None = None
+    compile_units: CompileBackend = "off"
+    compile_fullgraph: bool = False
     precision_rules: tuple[Rule, ...] | None = None
     hf_keep_in_fp32: bool | None = None
     precision_strategy: Literal["patch", "split"] | None = None
@@ -110,12 +120,28 @@ class DistributedConfig:
                 size,
                 "use a non-negative integer (0 wraps every module)",
             )
-        for name in ("fsdp_cpu_offload", "fsdp_reshard_after_forward"):
+        for name in ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "compile_fullgraph"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use True or False")
+        self._check_compile()
         self._check_hsdp()
         self._check_blocks()
         self._take_deprecated()
+
+    def _check_compile(self) -> None:
+        if self.compile_units not in get_args(CompileBackend):
+            raise _bad("compile_units", self.compile_units, "use 'off', 'inductor' or 'aot_eager'")
+        if self.compile_units != "off" and self.parallel_strategy not in ("fsdp", "hsdp"):
+            raise _bad(
+                "compile_units",
+                self.compile_units,
+                f"it compiles FSDP units, and parallel_strategy={self.parallel_strategy!r} "
+                "makes none; compile the model yourself (model.compile())",
+            )
+        if self.compile_fullgraph and self.compile_units == "off":
+            raise _bad(
+                "compile_fullgraph", True, "it applies with compile_units='inductor' or 'aot_eager'"
+            )
 
     def _check_hsdp(self) -> None:
         replicas = self.hsdp_replicate_size

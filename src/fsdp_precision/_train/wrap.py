@@ -154,6 +154,8 @@ def wrap_model_for_training(
     if not on_meta and device.type != "cpu":
         model.to(device)
     plan.apply(**kwargs)
+    if config.compile_units != "off":
+        _compile_units(plan, config)
     if dist.get_rank() == 0:
         totals = plan.totals()
         logger.info(
@@ -168,6 +170,17 @@ def wrap_model_for_training(
     if on_meta:
         _fill_from_rank0(model, full_state_dict or {}, device, config.fsdp_cpu_offload)
     return model
+
+
+def _compile_units(plan: PrecisionPlan, config: DistributedConfig) -> None:
+    """``module.compile`` of every unit but the root (each module of a grouped call), as
+    torchtitan's ``apply_compile`` compiles its blocks: FSDP's hooks run around each compiled
+    forward, the dtypes kept inside it are part of the graph."""
+    for unit in plan.units:
+        if unit.is_root:
+            continue
+        for module in unit.modules:
+            module.compile(backend=config.compile_units, fullgraph=config.compile_fullgraph)
 
 
 def _fill_from_rank0(
