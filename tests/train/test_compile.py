@@ -118,10 +118,13 @@ def test_kept_parameters_add_no_graph_break(layout: str) -> None:
 
 
 def test_negative_control_separate_units_break_every_block_once_per_router() -> None:
+    model = RoutedNet()
+    predicted = fp.compile_param_dtype_maps(model, RULES, [*model.blocks, model]).alternatives()
     train(build("separate fp32 units"), steps=1)
     reasons = counters["graph_break"]
     assert graph_breaks() == 2  # one per compiled block: its router is a unit of its own
     assert any("marked as skipped" in reason for reason in reasons), reasons
+    assert predicted["separate_units"]["compiled_graph_breaks"] == 2  # what the plan says
 
 
 @pytest.mark.parametrize("layout", [*IN_UNIT, "wrap_model_for_training"])

@@ -19,6 +19,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan.casts import activation_dtype, local_casts, module_casts
 from fsdp_precision._plan.claims import Claimed, fqns_by_param
+from fsdp_precision._plan.quantized import gather_format
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
 from fsdp_precision._plan.rules import PrecisionRules, rule_label
 from fsdp_precision._policy.casts import ModuleCast
@@ -163,6 +164,7 @@ def _unit(
                 aliases=tuple(fqns_of[pid][1:]),
                 mapped=pid in entries,
                 upcast_from=param.dtype if pid in storage.upcasts else None,
+                gathered_as=gather_format(param),
             )
         )
     if reduce_dtype is None:  # the release decides (2.15 promotes over the storage dtypes)

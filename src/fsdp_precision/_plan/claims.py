@@ -24,6 +24,7 @@ from fsdp_precision._plan.rules import (
     PrecisionRules,
     rule_label,
 )
+from fsdp_precision._policy.resolve import own_format_message
 
 __all__ = ["Claimed", "claim_params", "fqns_by_param", "owner_of", "planned_upcasts"]
 
@@ -37,6 +38,10 @@ def fqns_by_param(model: nn.Module) -> dict[int, list[str]]:
     for fqn, param in model.named_parameters(remove_duplicate=False):
         fqns_of.setdefault(id(param), []).append(fqn)
     return fqns_of
+
+
+def _params_by_id(model: nn.Module) -> dict[int, nn.Parameter]:
+    return {id(p): p for p in model.parameters()}
 
 
 def owner_of(model: nn.Module, fqn: str) -> nn.Module:
@@ -76,6 +81,13 @@ def claim_params(
                 claimed[index].append(fqns[0])
                 taken_by[pid] = index
                 break
+    params = _params_by_id(model)
+    for pid, (_, rule) in claimed_by.items():
+        if hasattr(params[pid], "fsdp_pre_all_gather"):
+            raise ParamDtypeMapError(
+                f"{rule_label(rule)} claims a parameter it cannot keep: "
+                + own_format_message(fqns_of[pid][0], params[pid])
+            )
     example = next(iter(owners), "")
     for index, rule in enumerate(rules.rules, start=first):
         if claimed[index]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._plan.quantized import wire_itemsize
 
 if TYPE_CHECKING:
     from fsdp_precision._plan.records import PlannedParam, PlannedUnit
@@ -94,11 +95,13 @@ class Collectives:
 
 
 def gather_bytes(params: Iterable[PlannedParam], world_size: int) -> dict[str, int]:
-    """Bytes of one all-gather of ``params``, by compute dtype (with dim-0 padding)."""
+    """Bytes of one all-gather of ``params``, by compute dtype, or by the format a tensor
+    subclass gathers itself in (``"float8"``), with dim-0 padding."""
     out: dict[str, int] = {}
     for p in params:
-        key = dtype_name(p.compute)
-        out[key] = out.get(key, 0) + p.padded_numel(world_size) * p.compute.itemsize
+        key = p.gathered_as or dtype_name(p.compute)
+        size = (wire_itemsize(p.gathered_as) if p.gathered_as else None) or p.compute.itemsize
+        out[key] = out.get(key, 0) + p.padded_numel(world_size) * size
     return out
 
 
@@ -129,3 +132,13 @@ def totals(units: Sequence[PlannedUnit], world_size: int, knobs: Knobs) -> dict[
         "all_reduces_per_step": total.all_reduces,
         "all_gather_bytes_per_step": step_bytes,
     }
+
+
+def compiled_graph_breaks(units: Sequence[PlannedUnit]) -> int:
+    """Graph breaks per forward when every unit but the root is ``torch.compile``d (as
+    torchtitan and ``DistributedConfig(compile_units=...)`` compile their blocks): one per
+    separate unit called inside a compiled unit, whose FSDP hooks dynamo does not trace.
+    Parameters kept inside a unit add none."""
+    compiled = [u for u in units if not u.is_root and not u.separate_unit]
+    inside = {id(m) for u in compiled for member in u.modules for m in member.modules()}
+    return sum(1 for u in units if u.separate_unit and any(id(m) in inside for m in u.modules))

@@ -1,4 +1,5 @@
-"""Packed quantized storage: parameters whose bits are not numbers of their dtype.
+"""Quantized parameters: packed storage whose bits are not numbers of their dtype, and weights
+that all-gather in a format of their own.
 
 bitsandbytes' 4-bit weights (``Params4bit``, QLoRA) pack two 4-bit codes per byte into a tensor
 of the ``bnb_4bit_quant_storage`` dtype; ``Linear4bit`` dequantizes them with the quant state it
@@ -10,6 +11,11 @@ parameter is always gathered in its storage dtype: the plan claims it before any
 
 Non-floating storage (``uint8``, the default) is never cast by FSDP (torch 2.12+ clamps
 ``param_dtype`` for it). torch 2.11 cannot manage it at all: the refusal names ``ignored_params``.
+
+A tensor subclass whose class defines FSDP2's ``fsdp_pre_all_gather`` (torchao's float8 training
+weights) chooses what travels: ``param_dtype`` does not apply and no map can keep it in another
+dtype (rules that claim one are refused). It sits beside kept parameters in one unit; FSDP packs
+the unit's mixed all-gather inputs as bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.nn as nn
 
 from fsdp_precision._plan.rules import DeclaredRule
 
-__all__ = ["PACKED_SOURCE", "is_packed", "packed_storage_rules"]
+__all__ = ["PACKED_SOURCE", "gather_format", "is_packed", "packed_storage_rules", "wire_itemsize"]
 
 #: The ``source`` of the rules that keep packed storage as it is (shown by ``explain()``).
 PACKED_SOURCE = "packed quantized storage (never cast)"
@@ -54,3 +60,27 @@ def packed_storage_rules(model: nn.Module) -> tuple[DeclaredRule, ...]:
         )
         for dtype, fqns in by_dtype.items()
     )
+
+
+#: (module prefix, class name) of weights that all-gather in their own format -> that format
+#: and its bytes per element.
+_OWN_FORMATS: dict[tuple[str, str], tuple[str, int]] = {
+    ("torchao", "WeightWithDynamicFloat8CastTensor"): ("float8", 1),
+}
+
+
+def gather_format(param: torch.Tensor) -> str | None:
+    """What ``param`` all-gathers as when its class does it itself (``"float8"`` for torchao's
+    float8 weights, else the class name); ``None`` for ordinary parameters."""
+    if not hasattr(param, "fsdp_pre_all_gather"):
+        return None
+    cls = type(param)
+    for (package, name), (label, _) in _OWN_FORMATS.items():
+        if cls.__module__.startswith(package) and cls.__name__ == name:
+            return label
+    return cls.__name__
+
+
+def wire_itemsize(fmt: str) -> int | None:
+    """Bytes per element of a :func:`gather_format`, where known."""
+    return next((size for label, size in _OWN_FORMATS.values() if label == fmt), None)

@@ -44,6 +44,10 @@ class PlannedParam:
             it wider: its storage is upcast to :attr:`storage` (exactly: every value of the
             narrower dtype is one of the wider) before the first ``fully_shard`` call, the
             master weights then hold it in the kept dtype. (Default: ``None``)
+        gathered_as: What the parameter all-gathers as when its class does that itself
+            (``fsdp_pre_all_gather``): ``"float8"`` for torchao's float8 weights (1 byte per
+            element), else the class name (bytes estimated at :attr:`compute`). (Default:
+            ``None``: :attr:`compute`)
     """
 
     fqn: str
@@ -56,6 +60,7 @@ class PlannedParam:
     aliases: tuple[str, ...] = ()
     mapped: bool = False
     upcast_from: torch.dtype | None = None
+    gathered_as: str | None = None
 
     @property
     def claimed(self) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_precision._base.dtypes import dtype_name, optional_name
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._plan import cost
 from fsdp_precision._plan.records import PlannedUnit, RuleClaims
 from fsdp_precision._plan.rules import rule_label
 from fsdp_precision._plan.separate import separate_units_plan
@@ -49,9 +50,13 @@ def alternatives(plan: PrecisionPlan) -> dict[str, dict[str, Any]]:
         )
     note = "each module owning a mapped parameter as its own unit, in the dtype it is kept in"
     try:
-        separate = separate_units_plan(plan).totals()
+        separate_plan = separate_units_plan(plan)
+        separate = {
+            **separate_plan.totals(),
+            "compiled_graph_breaks": cost.compiled_graph_breaks(separate_plan.units),
+        }
     except ParamDtypeMapError as exc:
-        separate = dict.fromkeys(base)
+        separate = dict.fromkeys([*base, "compiled_graph_breaks"])
         note = str(exc)
     return {
         "uniform": {
@@ -201,7 +206,9 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         f"  uniform policy:       same collectives, "
         f"{alt['uniform']['all_gather_bytes_per_step']:,} bytes (kept params lose precision)",
         f"  separate units:       {separate['all_gathers_per_step']} all-gathers, "
-        f"{separate['reduce_scatters_per_step']} reduce-scatters ({separate['units']} units)"
+        f"{separate['reduce_scatters_per_step']} reduce-scatters ({separate['units']} units); "
+        f"{separate['compiled_graph_breaks']} graph breaks per forward with compiled blocks "
+        f"(this plan: {cost.compiled_graph_breaks(plan.units)})"
         if separate["units"] is not None
         else f"  separate units:       not possible: {separate['note']}",
     ]

@@ -20,7 +20,7 @@ from fsdp_precision._policy.casts import ModuleCast, resolve_casts
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import resolve_by_slot
 
-__all__ = ["ResolvedMap", "resolve_param_dtype_map"]
+__all__ = ["ResolvedMap", "own_format_message", "resolve_param_dtype_map"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ def resolve_param_dtype_map(
                     "mixed precision applies to floating parameters only: remove the key "
                     "(FSDP keeps the parameter's dtype), or pass it in ignored_params"
                 )
+            if hasattr(param, "fsdp_pre_all_gather"):
+                raise ParamDtypeMapError(own_format_message(key, param))
             previous = by_param.get(id(param))
             if previous is not None and previous != dtype:
                 raise ParamDtypeMapError(
@@ -120,6 +122,17 @@ def resolve_param_dtype_map(
         by_slot=by_slot,
         fqns={k: tuple(v) for k, v in fqns.items()},
         casts=resolve_casts(modules, policy.module_casts or {}),
+    )
+
+
+def own_format_message(name: str, param: torch.Tensor) -> str:
+    """Why a parameter that all-gathers in its own format cannot be mapped, and what to do."""
+    return (
+        f"parameter {name!r} is a {type(param).__name__}: it all-gathers in a format of its own "
+        "(its class defines FSDP's fsdp_pre_all_gather, e.g. torchao's float8 weights), "
+        "whatever dtype a map names, so it cannot be kept in another dtype. Leave it out of "
+        "the map and the rules, or keep its module out of the conversion (torchao: "
+        "convert_to_float8_training(..., module_filter_fn=...))"
     )
 
 
