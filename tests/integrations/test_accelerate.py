@@ -62,11 +62,16 @@ def separate_gate_units(model: nn.Module) -> None:
         fully_shard(gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
 
 
-def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def prepared(
+    policy_for: str, compiled: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     """A tiny DeepSeek-V3 prepared by accelerate with ``policy_for``: 'model' (model_policy),
     'plain' (accelerate's plain policy) or 'separate' (each gate its own param_dtype=None unit,
-    wrapped before prepare, then the plain policy: the separate-units reference)."""
+    wrapped before prepare, then the plain policy: the separate-units reference); ``compiled``:
+    accelerate's ``dynamo_plugin`` compiles the decoder layers (regional compilation, aot_eager).
+    """
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import TorchDynamoPlugin
 
     fresh_accelerate_state()
     torch.manual_seed(0)
@@ -81,7 +86,12 @@ def prepared(policy_for: str) -> tuple[nn.Module, torch.optim.Optimizer, object]
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
     )
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin)
+    dynamo = (
+        TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True) if compiled else None
+    )
+    accelerator = Accelerator(
+        cpu=True, mixed_precision="bf16", fsdp_plugin=plugin, dynamo_plugin=dynamo
+    )
     accelerate_fsdp2_on_cpu(accelerator, plugin)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optim = accelerator.prepare(model, optim)
@@ -122,6 +132,25 @@ def case_accelerate_fsdp2_keeps_the_router_gates_in_fp32() -> None:
     assert all(plain_seen[n] == bf16 for n in kept)
     assert counts == plain_counts, (counts, plain_counts)
     assert counts[0] > 0 and counts[1] > 0
+
+
+def case_accelerate_dynamo_plugin_compiles_kept_gates_without_graph_breaks() -> None:
+    """accelerate's ``dynamo_plugin`` (regional compilation of the decoder layers, aot_eager):
+    the kept gates add no graph break to the plain policy's, the separate-units reference adds
+    one per layer; the gates are still gathered in fp32."""
+    from torch._dynamo.utils import counters
+
+    breaks, seen = {}, {}
+    for variant in ("plain", "model", "separate"):
+        torch._dynamo.reset()
+        counters.clear()
+        model, optim, accelerator = prepared(variant, compiled=True)
+        seen[variant], _ = train_step(model, optim, accelerator)
+        breaks[variant] = sum(counters["graph_break"].values())
+    kept = [n for n in seen["model"] if n.endswith("mlp.gate.weight")]
+    assert kept and all(seen["model"][n] == fp32 for n in kept)
+    assert breaks["model"] == breaks["plain"], breaks
+    assert breaks["separate"] > breaks["plain"], breaks
 
 
 def case_accelerate_units_are_the_calls_accelerate_makes() -> None:

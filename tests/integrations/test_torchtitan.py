@@ -266,6 +266,79 @@ def case_model_spec_parallelize_fn_called_as_torchtitans_trainer_calls_it() -> N
     assert sorted(seen) == sorted(own_seen) and counts == own_counts, (counts, own_counts)
 
 
+def _trainer_config(*extra: str) -> Any:
+    from torchtitan.config.manager import ConfigManager
+
+    args = ["--module", "qwen3", "--config", "qwen3_moe_debug", "--training.seq_len", str(SEQ),
+            "--parallelism.data_parallel_shard_degree", "2",
+            "--parallelism.spmd_backend", "partial_dtensor", *extra]  # fmt: skip
+    return ConfigManager().parse_args(args)
+
+
+def case_torchtitans_compile_step_adds_no_graph_break_for_kept_gates() -> None:
+    """torchtitan's own compile step (``--compile.enable``, aot_eager: its ``apply_compile``
+    compiles each block in ``parallelize_qwen3``, before the recipe's FSDP calls): the recipe's
+    kept gates add no graph break to its own parallelize_qwen3 run (the plain policy), and are
+    gathered in fp32 under compile."""
+    from torch._dynamo.utils import counters
+
+    config = _trainer_config("--compile.enable", "--compile.backend", "aot_eager",
+                             "--compile.components", "model")  # fmt: skip
+    assert config.compile.enable and config.compile.backend == "aot_eager"
+    own = config.model_spec.parallelize_fn
+    runs = {}
+    for fn in (parallelize_qwen3_with_model_policy, own):
+        config.model_spec = dataclasses.replace(
+            config.model_spec, model=tiny_qwen3_moe_config(), parallelize_fn=fn
+        )
+        torch._dynamo.reset()
+        counters.clear()
+        with torchtitan_on_cpu(config.parallelism.spmd_backend):
+            torch.manual_seed(0)
+            model = build_as_the_trainer_does(config, autocast_stand_in=fn is own)
+            seen, counts = step(model)
+        compiled = [n for n, m in model.named_modules() if hasattr(m, "_compiled_call_impl")
+                    and m._compiled_call_impl is not None]  # fmt: skip
+        runs[fn] = (seen, counts, sum(counters["graph_break"].values()), compiled)
+    (seen, counts, breaks, compiled), (own_seen, own_counts, own_breaks, _) = runs.values()
+    assert len(compiled) == 2, compiled  # torchtitan compiled its two blocks
+    kept = [n for n in seen if n.endswith("moe.router.gate.weight")]
+    assert len(kept) == 2 and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+    assert all(own_seen[n] == bf16 for n in kept)
+    assert breaks == own_breaks and counts == own_counts, (breaks, own_breaks)
+
+
+def case_torchtitans_float8_converter_with_kept_gates() -> None:
+    """torchtitan's own ``Float8LinearConverter`` (emulated, as on a CPU; the gates filtered out,
+    as its ``filter_fqns`` does): its Float8Linear layers train inside the recipe's units with
+    the gates in fp32 and torchtitan's own collectives."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed")
+    from torchtitan.components.quantization import Float8Linear, Float8LinearConverter
+
+    converter = Float8LinearConverter(
+        Float8LinearConverter.Config(emulate=True, filter_fqns=["router.gate"])
+    )
+    config = _trainer_config()
+    own = config.model_spec.parallelize_fn
+    runs = {}
+    for fn in (parallelize_qwen3_with_model_policy, own):
+        model_config = converter.convert(tiny_qwen3_moe_config())
+        config.model_spec = dataclasses.replace(
+            config.model_spec, model=model_config, parallelize_fn=fn
+        )
+        with torchtitan_on_cpu(config.parallelism.spmd_backend):
+            torch.manual_seed(0)
+            model = build_as_the_trainer_does(config, autocast_stand_in=fn is own)
+            runs[fn] = step(model)
+        float8_layers = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+        assert len(float8_layers) >= 2 and not any("router" in n for n in float8_layers)
+    (seen, counts), (own_seen, own_counts) = runs.values()
+    kept = [n for n in seen if n.endswith("moe.router.gate.weight")]
+    assert len(kept) == 2 and all(seen[n] == fp32 for n in kept), {n: seen[n] for n in kept}
+    assert all(own_seen[n] == bf16 for n in kept)
+    assert counts == own_counts, (counts, own_counts)
+
+
 def case_torchtitans_default_spmd_backend_cannot_run_here() -> None:
     """Why the wiring case sets partial_dtensor: under torchtitan 0.3.0's default
     "spmd_types", its own parallelize_qwen3 leaves plain tensors that this torch's

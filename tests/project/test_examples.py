@@ -36,6 +36,13 @@ RUNS = [
     ("lightning_fabric_qwen3_moe.py", (), 2, ("lightning",), "gates and norms gathered in fp32"),
     ("transformers_native_qwen3_moe.py", (), 2, ("transformers",), "on transformers' FSDP2"),
     ("torchtitan_qwen3_moe.py", (), 2, ("torchtitan", "triton"), "router gates gathered in fp32"),
+    (
+        "compile_float8_checkpointing.py",
+        (),
+        2,
+        ("transformers", "torchao"),
+        "2 router gates gathered in fp32, 8 Float8Linear layers",
+    ),
 ]
 
 
