@@ -88,6 +88,17 @@ BAD_CONFIGS = [
         r"fsdp_transformer_block_classes is \('Block',\); it applies to "
         r"fsdp_auto_wrap_policy='transformer_block' only",
     ),
+    ({"compile_units": "max"}, r"compile_units is 'max'; use 'off', 'inductor' or 'aot_eager'"),
+    (
+        {"compile_units": "inductor", "parallel_strategy": "ddp"},
+        r"compile_units is 'inductor'; it compiles FSDP units, and parallel_strategy='ddp' makes "
+        r"none; compile the model yourself",
+    ),
+    (
+        {"compile_fullgraph": True},
+        r"compile_fullgraph is True; it applies with compile_units='inductor' or 'aot_eager'",
+    ),
+    ({"compile_fullgraph": 1}, r"compile_fullgraph is 1; use True or False"),
 ]
 
 

@@ -33,14 +33,15 @@ def get_param_all_gather_inputs(fsdp_params: list[FSDPParam]) -> list[list[torch
     original = registry.original(_coll, "_get_param_all_gather_inputs")
     if registry.compiled_autograd_enabled():  # 2.11: upstream's per-parameter path
         return original(fsdp_params)  # type: ignore[no-any-return]
-    if not in_mapped_unit(fsdp_params[0]) or (
-        len({p.param_dtype for p in fsdp_params if _use_foreach_copy(p)}) <= 1
-    ):
+    if not in_mapped_unit(fsdp_params[0]):
+        return original(fsdp_params)  # type: ignore[no-any-return]
+    fast = [_use_foreach_copy(p) for p in fsdp_params]
+    if len({p.param_dtype for p, f in zip(fsdp_params, fast, strict=True) if f}) <= 1:
         return original(fsdp_params)  # type: ignore[no-any-return]
     inputs: list[list[torch.Tensor]] = [[] for _ in fsdp_params]
     by_dtype: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
     for i, fsdp_param in enumerate(fsdp_params):
-        if not _use_foreach_copy(fsdp_param):
+        if not fast[i]:
             inputs[i] = fsdp_param.all_gather_inputs
             continue
         source = (
