@@ -40,6 +40,7 @@ from fsdp_precision._base.errors import (
     FsdpPrecisionError,
     ParamDtypeMapError,
     PatchIntegrityError,
+    RankMismatchError,
     UnitUsageError,
     UnsupportedTorchError,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "PrecisionAdvice",
     "PrecisionPlan",
     "PrecisionRules",
+    "RankMismatchError",
     "UnitUsageError",
     "UnsupportedTorchError",
     "__version__",

@@ -21,7 +21,7 @@ SURFACE = {
         "MAPPABLE_DTYPES", "PRESETS", "SUPPORTED_RELEASES", "DistributedConfig",
         "FsdpPrecisionError", "Glob", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
-        "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "UnitUsageError", "UnsupportedTorchError",
+        "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "UnitUsageError", "UnsupportedTorchError",
         "__version__", "advise", "apply_param_dtype_map_patch", "auto_wrap_units",
         "compile_param_dtype_maps", "default_units", "is_param_dtype_map_patch_applied",
         "make_grad_scaler", "model_policy", "plan_model_for_training",

@@ -10,6 +10,7 @@ __all__ = [
     "FsdpPrecisionError",
     "ParamDtypeMapError",
     "PatchIntegrityError",
+    "RankMismatchError",
     "StateDictMismatchError",
     "UnsupportedTorchError",
 ]
@@ -24,6 +25,11 @@ class ParamDtypeMapError(FsdpPrecisionError, ValueError):
 
     Raised before any parameter is sharded: the model is left as it was.
     """
+
+
+class RankMismatchError(ParamDtypeMapError):
+    """A ``fully_shard`` call resolved differently on some rank (or some rank refused it): raised
+    on every rank of the call's mesh, with the same message, before anything is sharded."""
 
 
 class UnsupportedTorchError(FsdpPrecisionError, RuntimeError):

@@ -32,17 +32,28 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _applied: ReleaseTraits | None = None  # the installed release's traits, while installed
+_check_ranks = True  # apply_param_dtype_map_patch(check_ranks=...)
 
 
-def apply_param_dtype_map_patch() -> None:
+def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
     """Enable ``ParamDtypeMixedPrecisionPolicy.param_dtype_map`` in ``fully_shard``.
 
     Idempotent. Call it before ``fully_shard``. Raises :class:`UnsupportedTorchError` on a torch
     release without a release module and :class:`PatchIntegrityError` when any upstream function
     the patch replaces or relies on differs from the recorded source; in both cases nothing is
     patched. Units whose policy has no map keep the upstream code path exactly.
+
+    ``check_ranks``: while the patch is installed, every ``fully_shard`` call compares what it
+    resolved across the ranks of its mesh (one all-gather of 16 bytes per call, at construction)
+    and raises :class:`RankMismatchError` on every rank where they differ, instead of a gloo
+    abort or an NCCL hang at the first all-gather. ``False`` turns it off (on every rank alike),
+    ``True`` back on; ``None`` (default) keeps the current setting, on at first.
     """
-    global _applied
+    global _applied, _check_ranks
+    if check_ranks is not None:
+        if not isinstance(check_ranks, bool):
+            raise ValueError(f"check_ranks must be True, False or None, got {check_ranks!r}")
+        _check_ranks = check_ranks
     with _lock:
         if _applied is not None:
             return
@@ -54,6 +65,12 @@ def apply_param_dtype_map_patch() -> None:
         replacements.install(release.TRAITS)
         _applied = release.TRAITS
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
+
+
+def ranks_checked() -> bool:
+    """Whether ``fully_shard`` calls compare what they resolved across ranks
+    (:func:`apply_param_dtype_map_patch`'s ``check_ranks``)."""
+    return _check_ranks
 
 
 def remove_param_dtype_map_patch() -> None:

@@ -30,10 +30,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
 
 from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._base.errors import ParamDtypeMapError, RankMismatchError
 from fsdp_precision._hf.recording import keep_output_recording
-from fsdp_precision._patch import registry
+from fsdp_precision._patch import ranks_checked, registry
 from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR
+from fsdp_precision._policy.agree import agree, call_record
 from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
 from fsdp_precision._policy.native import native_policy
@@ -62,7 +63,9 @@ def init_param_group(
     """Resolve the map before ``FSDPParamGroup`` shards anything, then hand it to torch."""
     original = registry.original(_fs, "_init_param_group")
     mp_policy = bind_mp_policy(args, kwargs)
+    call = registry.next_call()
     if not needs_resolution(mp_policy):
+        _agree(call, state, modules, params, args, None, mp_policy)
         return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
     assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # needs_resolution
     release = registry.traits()
@@ -71,9 +74,14 @@ def init_param_group(
         native = bool(resolved.by_param) and uses_native(release, params, resolved, mp_policy)
         if not native and not release.keeps_requires_grad:
             check_manageable(params, resolved.fqns)
-    except ParamDtypeMapError:
+    except ParamDtypeMapError as exc:
+        try:  # the other ranks stop too, rather than wait for this one
+            _agree(call, state, modules, params, args, None, mp_policy, refusal=str(exc))
+        except RankMismatchError:
+            pass
         undo_state_init(state, modules)
         raise
+    _agree(call, state, modules, params, args, resolved, mp_policy)
     if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
         original(state, params, modules, *args, **kwargs)
         _after_call(mp_policy, resolved, modules)
@@ -92,6 +100,46 @@ def init_param_group(
     _after_call(mp_policy, resolved, modules)
     _log_mapped(modules, resolved, "native override" if native else "mapped")
     return None
+
+
+def _agree(
+    call: int,
+    state: Any,
+    modules: tuple[nn.Module, ...],
+    params: list[nn.Parameter],
+    args: Sequence[Any],
+    resolved: ResolvedMap | None,
+    policy: MixedPrecisionPolicy,
+    refusal: str = "",
+) -> None:
+    """Compare what this call resolved across its mesh's ranks (``ranks_checked()``); on a
+    difference every rank raises the same ``RankMismatchError``, FSDP's registration undone."""
+    if not ranks_checked():
+        return
+    mesh_info, device = args[0], args[2]
+    groups = [
+        getattr(mesh_info, "shard_process_group", None),
+        getattr(mesh_info, "replicate_process_group", None),
+    ]
+    names = resolved.fqns if resolved is not None else _local_names(modules)
+    compute = resolved.by_param if resolved is not None else {}
+    record = call_record(
+        call, modules, params, names, compute, (policy.param_dtype, policy.reduce_dtype), refusal
+    )
+    try:
+        agree(record, groups, device)
+    except RankMismatchError:
+        if not refusal:  # a refusing rank undoes and raises its own error
+            undo_state_init(state, modules)
+        raise
+
+
+def _local_names(modules: Sequence[nn.Module]) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for module in modules:
+        for fqn, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(fqn)
+    return names
 
 
 def _after_call(

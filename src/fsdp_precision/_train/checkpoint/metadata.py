@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -75,10 +76,17 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def write_metadata(
-    path: Path, kind: StateDictType, step: int | None, world: int, *, has_optimizer: bool
+    path: Path,
+    kind: StateDictType,
+    step: int | None,
+    world: int,
+    *,
+    has_optimizer: bool,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the marker that completes the checkpoint directory ``path`` (atomically, last)."""
     meta = {
+        "extra": dict(extra or {}),
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
         "state_dict_type": kind,

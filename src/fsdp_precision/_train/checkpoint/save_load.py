@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +52,7 @@ def save_checkpoint(
     *,
     state_dict_type: StateDictType = "sharded",
     step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) to ``checkpoint_dir`` atomically; return the path.
 
@@ -65,7 +68,8 @@ def save_checkpoint(
     written, rank 0 renames the previous checkpoint to ``<dir>.old-<id>``, the new one to
     ``<dir>``, and deletes the old one. A crash at any point leaves the previous or the new
     checkpoint loadable, never a partial one. Metadata (step, type, world size, torch and library
-    versions) goes to ``METADATA_FILE``, written last. A model with a Hugging Face ``config`` also
+    versions, and ``extra``: rank 0's JSON-serialisable data, e.g. the loss history) goes to
+    ``METADATA_FILE``, written last. A model with a Hugging Face ``config`` also
     gets its ``config.json``.
 
     Raises :class:`CheckpointError` for a bad ``state_dict_type`` or ``step``, and
@@ -78,6 +82,7 @@ def save_checkpoint(
         raise CheckpointError(
             f"step={step!r} is not an int; pass the training step as an int, or None"
         )
+    _check_extra(extra)
     rank, world = rank_world()
     target = Path(checkpoint_dir).absolute()
     tmp: Path | None = None
@@ -98,7 +103,9 @@ def save_checkpoint(
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(tmp)
-            _metadata.write_metadata(tmp, kind, step, world, has_optimizer=optimizer is not None)
+            _metadata.write_metadata(
+                tmp, kind, step, world, has_optimizer=optimizer is not None, extra=extra
+            )
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)
     raise_collectively(error)  # also the barrier: every rank's shards are written
@@ -113,6 +120,20 @@ def save_checkpoint(
     if rank == 0:
         logger.info("saved %s checkpoint (step %s) to %s", kind, step, target)
     return target
+
+
+def _check_extra(extra: object) -> None:
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra={extra!r} is not a mapping; pass a dict of JSON values")
+    try:
+        json.dumps(dict(extra))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"extra is not JSON-serialisable ({err}); keep it to numbers, strings, lists and "
+            "dicts (tensors go in the model or optimizer state)"
+        ) from err
 
 
 def _write_error(what: str, cause: BaseException) -> CheckpointWriteError:

@@ -1,0 +1,149 @@
+"""Ranks agree on every ``fully_shard`` call before anything is sharded.
+
+A map that differs across ranks (a rule reading a rank-dependent value, a model built differently
+on one rank, a file read on rank 0 only) makes the ranks build all-gather buffers of different
+sizes: gloo aborts the process ("Received data size doesn't match expected size"), NCCL hangs
+until its watchdog. So each call, while the patch is installed, describes what it resolved (per
+managed parameter: its local name, shape, storage and compute dtypes, whether it trains; the
+call's modules and policy dtypes; the call's index on this rank) and the ranks of its mesh
+compare a 16-byte digest of it with one small all-gather. Where the digests differ, or a rank
+refused the call, the descriptions are gathered and every rank raises the same
+:class:`~fsdp_precision._base.errors.RankMismatchError`, naming the ranks and the first entry
+that differs. Pure public torch (``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import RankMismatchError
+
+__all__ = ["CallRecord", "agree", "call_record"]
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """What one rank resolved for one ``fully_shard`` call.
+
+    Attributes:
+        call: The call's index among this rank's ``fully_shard`` calls since the patch was
+            installed.
+        head: The call's modules and policy, one line.
+        entries: One line per managed parameter, in the order the call manages them.
+        refusal: This rank refused the call: its error's message. (Default: ``""``)
+    """
+
+    call: int
+    head: str
+    entries: tuple[str, ...]
+    refusal: str = ""
+
+    def digest(self) -> list[int]:
+        """Two int64 of the record's SHA-256 (what the ranks compare)."""
+        text = "\n".join((str(self.call), self.head, *self.entries, self.refusal))
+        raw = hashlib.sha256(text.encode()).digest()
+        return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def call_record(
+    call: int,
+    modules: Sequence[nn.Module],
+    params: Sequence[nn.Parameter],
+    names: Mapping[int, Sequence[str]],
+    compute: Mapping[int, torch.dtype],
+    policy_dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    refusal: str = "",
+) -> CallRecord:
+    """The record of one call: ``names`` maps ``id(param)`` to its local names, ``compute`` to
+    the dtype it is mapped to (absent: the policy's ``param_dtype``, else its storage)."""
+    param_dtype, reduce_dtype = policy_dtypes
+    head = (
+        f"modules {', '.join(type(m).__name__ for m in modules)}; param_dtype "
+        f"{_name(param_dtype)}, reduce_dtype {_name(reduce_dtype)}"
+    )
+    entries = []
+    for param in params:
+        mapped = compute.get(id(param))
+        dtype = mapped or (param_dtype if param.is_floating_point() else None) or param.dtype
+        name = ", ".join(names.get(id(param), ("?",)))
+        entries.append(
+            f"{name!r} {list(param.shape)} {dtype_name(param.dtype)} -> {dtype_name(dtype)}"
+            f"{' (mapped)' if mapped is not None else ''}"
+            f"{'' if param.requires_grad else ' (frozen)'}"
+        )
+    return CallRecord(call, head, tuple(entries), refusal)
+
+
+def agree(
+    record: CallRecord, groups: Sequence[dist.ProcessGroup | None], device: torch.device
+) -> None:
+    """Compare ``record`` across the ranks of each group (the mesh's shard group, and its
+    replicate group for HSDP); raise :class:`RankMismatchError` on every rank where they differ
+    or any rank refused the call. A group of one rank, or no process group, checks nothing."""
+    for group in groups:
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        size = dist.get_world_size(group)
+        mine = torch.tensor(record.digest(), dtype=torch.int64, device=device)
+        gathered = torch.empty(size * 2, dtype=torch.int64, device=device)
+        _all_gather(gathered, mine, group=group)
+        digests = [tuple(row) for row in gathered.view(size, 2).tolist()]
+        if len(set(digests)) == 1 and not record.refusal:
+            continue
+        records: list[CallRecord | None] = [None] * size
+        dist.all_gather_object(records, record, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        raise RankMismatchError(_message([r for r in records if r is not None], ranks))
+
+
+#: torch 2.13 renamed ``all_gather_into_tensor`` (a deprecation warning since) to
+#: ``all_gather_single``; 2.11 and 2.12 have only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _message(records: list[CallRecord], ranks: list[int]) -> str:
+    call = records[0].call
+    refused = [(rank, r.refusal) for rank, r in zip(ranks, records, strict=True) if r.refusal]
+    if refused:
+        rank, why = refused[0]
+        others = [r for r, rec in zip(ranks, records, strict=True) if not rec.refusal]
+        return (
+            f"fully_shard call #{call} differs across ranks: rank {rank} refused it ({why}); "
+            + (f"ranks {others} did not. " if others else "")
+            + "Every rank stops here, before anything is sharded"
+        )
+    base_rank, base = ranks[0], records[0]
+    for rank, other in zip(ranks[1:], records[1:], strict=True):
+        if other == base:
+            continue
+        what = _first_difference(base, other)
+        return (
+            f"fully_shard call #{call} differs across ranks: rank {rank} resolved something "
+            f"other than rank {base_rank}: {what}. A map must be the same on every rank (a "
+            "rule reading a rank-dependent value, a model built differently on one rank, or a "
+            "file read on rank 0 only make them differ); every rank stops here, before "
+            "anything is sharded"
+        )
+    return f"fully_shard call #{call} differs across ranks"  # digests collided: never seen
+
+
+def _first_difference(a: CallRecord, b: CallRecord) -> str:
+    if a.call != b.call:
+        return f"it is that rank's call #{b.call}"
+    if a.head != b.head:
+        return f"{b.head!r} where the other has {a.head!r}"
+    for i, (x, y) in enumerate(zip(a.entries, b.entries, strict=False)):
+        if x != y:
+            return f"parameter #{i}: {y} where the other has {x}"
+    return f"{len(b.entries)} parameters where the other has {len(a.entries)}"
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return dtype_name(dtype) if dtype is not None else "None"
