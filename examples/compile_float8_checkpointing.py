@@ -1,8 +1,9 @@
 """The production recipe: compiled blocks, float8 all-gathers, activation checkpointing, and the
 MoE routers kept in fp32 inside bf16 FSDP units.
 
-    torchrun --standalone --nproc_per_node 2 examples/compile_float8_checkpointing.py   # CPU
-    torchrun --standalone --nproc_per_node 2 examples/compile_float8_checkpointing.py --backend inductor
+    torchrun --standalone --nproc_per_node 2 examples/compile_float8_checkpointing.py
+    torchrun --standalone --nproc_per_node 2 examples/compile_float8_checkpointing.py \
+        --backend inductor
 
 Qwen3-MoE at a tiny size from its transformers config class. The decoder layers' attention and
 shared projections become torchao ``Float8Linear`` (float8 all-gather: 1 byte per element; the

@@ -7,7 +7,9 @@
 ``"sharded"`` checkpoints (every rank writes its shards; loadable at another world size or mesh)
 and ``"full"`` ones (consolidated on rank 0; exportable to safetensors for ``from_pretrained``).
 Saves are atomic: a crash mid-save leaves the previous checkpoint loadable. Every tensor keeps
-its own dtype. Every error is a :class:`CheckpointError` naming the path and the fix. See
+its own dtype. A training run's checkpoints: :func:`save_step` (one per step, the last few
+kept) and :func:`resume_from_latest` (after a restart, e.g. ``torchrun --max-restarts``).
+Every error is a :class:`CheckpointError` naming the path and the fix. See
 ``docs/checkpoints.md``.
 """
 
@@ -23,6 +25,11 @@ from fsdp_precision._base.errors import (
 from fsdp_precision._train.checkpoint.atomic import METADATA_FILE
 from fsdp_precision._train.checkpoint.export import export_safetensors
 from fsdp_precision._train.checkpoint.metadata import read_checkpoint_metadata
+from fsdp_precision._train.checkpoint.rotate import (
+    latest_checkpoint,
+    resume_from_latest,
+    save_step,
+)
 from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
 from fsdp_precision._train.checkpoint.state import (
     StateDictType,
@@ -39,9 +46,12 @@ __all__ = [
     "StateDictMismatchError",
     "StateDictType",
     "export_safetensors",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_model_state_dict",
     "model_state_dict",
     "read_checkpoint_metadata",
+    "resume_from_latest",
     "save_checkpoint",
+    "save_step",
 ]

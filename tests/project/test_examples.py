@@ -36,6 +36,7 @@ RUNS = [
     ("lightning_fabric_qwen3_moe.py", (), 2, ("lightning",), "gates and norms gathered in fp32"),
     ("transformers_native_qwen3_moe.py", (), 2, ("transformers",), "on transformers' FSDP2"),
     ("torchtitan_qwen3_moe.py", (), 2, ("torchtitan", "triton"), "router gates gathered in fp32"),
+    ("elastic_resume.py", (), 2, (), "trained to step 5 on mesh [0, 1]"),
     (
         "compile_float8_checkpointing.py",
         (),

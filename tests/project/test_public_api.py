@@ -30,8 +30,8 @@ SURFACE = {
     "fsdp_precision.checkpoint": [
         "METADATA_FILE", "CheckpointError", "CheckpointNotFoundError", "CheckpointReadError",
         "CheckpointWriteError", "StateDictMismatchError", "StateDictType", "export_safetensors",
-        "load_checkpoint", "load_model_state_dict", "model_state_dict",
-        "read_checkpoint_metadata", "save_checkpoint",
+        "latest_checkpoint", "load_checkpoint", "load_model_state_dict", "model_state_dict",
+        "read_checkpoint_metadata", "resume_from_latest", "save_checkpoint", "save_step",
     ],
     "fsdp_precision.hf": [
         "Declaration", "cast_keeping_fp32", "keep_in_fp32_declarations", "kept_fqns",

@@ -1,0 +1,136 @@
+"""A training run's checkpoints in one directory: one per saved step, the last few kept, and
+the resume after a restart.
+
+>>> meta = resume_from_latest("ckpt", model, optimizer)            # doctest: +SKIP
+>>> start = meta["step"] + 1 if meta else 0                         # doctest: +SKIP
+>>> for step in range(start, steps):                                # doctest: +SKIP
+...     train_one_step(step)
+...     save_step("ckpt", model, optimizer, step=step, keep_last=2)
+
+Each save is :func:`save_checkpoint` into ``<root>/step-<step>`` (atomic); then rank 0 deletes
+the complete step checkpoints beyond the newest ``keep_last``, and what interrupted saves of
+older steps left behind. A save killed midway leaves its step incomplete, so
+:func:`latest_checkpoint` (and the resume) takes the step before. Under ``torchrun
+--max-restarts N`` a group whose rank died restarts every rank, and the loop above continues from
+the newest complete step: see ``docs/guides/distributed.md`` (elastic resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._base.errors import CheckpointError
+from fsdp_precision._train.checkpoint.atomic import recover
+from fsdp_precision._train.checkpoint.collective import barrier, from_rank0, rank_world
+from fsdp_precision._train.checkpoint.metadata import read_metadata
+from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._train.checkpoint.state import StateDictType
+
+__all__ = ["latest_checkpoint", "resume_from_latest", "save_step", "step_checkpoints"]
+
+logger = logging.getLogger(__name__)
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:09d}"
+
+
+def step_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The complete step checkpoints under ``root``, oldest first, as ``(step, path)``. Local:
+    no collective."""
+    path = Path(root)
+    if not path.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    for child in path.iterdir():
+        match = _STEP.fullmatch(child.name)
+        if match is None:
+            continue
+        try:
+            read_metadata(recover(child))
+        except CheckpointError:
+            continue
+        found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete step checkpoint under ``root``, or ``None``. Local: no collective."""
+    found = step_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def save_step(
+    root: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    keep_last: int = 2,
+    state_dict_type: StateDictType = "sharded",
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save step ``step`` into ``<root>/step-<step>`` (collective, atomic: see
+    :func:`save_checkpoint`), then keep only the newest ``keep_last`` complete step checkpoints
+    (rank 0 deletes the others). Returns the new checkpoint's path.
+
+    Raises :class:`CheckpointError` for a ``step`` or ``keep_last`` that is not a non-negative
+    integer (``keep_last`` at least 1), before anything is written.
+    """
+    for name, value, least in (("step", step, 0), ("keep_last", keep_last, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise CheckpointError(f"{name}={value!r}; pass an integer >= {least}")
+    target = save_checkpoint(
+        _step_dir(Path(root), step),
+        model,
+        optimizer,
+        state_dict_type=state_dict_type,
+        step=step,
+        extra=extra,
+    )
+    rank, _ = rank_world()
+    if rank == 0:
+        _prune(Path(root), keep_last)
+    barrier()
+    return target
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = step_checkpoints(root)
+    for _, path in complete[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    if not complete:
+        return
+    newest = complete[-1][0]
+    for child in root.iterdir():  # leftovers of interrupted saves of older steps
+        name, _, tag = child.name.partition(".")
+        match = _STEP.fullmatch(name)
+        if tag and match is not None and int(match.group(1)) < newest:
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def resume_from_latest(
+    root: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any] | None:
+    """Load the newest complete step checkpoint under ``root`` into ``model`` (and
+    ``optimizer``) and return its metadata (``step``, ``extra``, ...); ``None`` when there is
+    none (a first start). Collective: rank 0 chooses the checkpoint, every rank loads it."""
+    chosen = from_rank0(latest_checkpoint(root) if rank_world()[0] == 0 else None)
+    if chosen is None:
+        return None
+    meta = load_checkpoint(chosen, model, optimizer)
+    logger.info("resumed from %s (step %s)", chosen, meta.get("step"))
+    return meta
