@@ -154,7 +154,7 @@ def _after_call(
     if scope is not None:
         scope.resolved.update(resolved.scope_entries)
     for module, cast in resolved.casts:
-        install_cast(module, cast)
+        install_cast(module, cast, policy.param_dtype)
     if resolved.by_slot or resolved.casts:
         install_diagnosis(modules, kept_modules(modules, resolved.by_slot, resolved.casts))
     keep_output_recording(modules)

@@ -183,7 +183,22 @@ def _unit(
         scope = _by_slot(model, spec, entries, fqns_of, casts, module_names)
     first = spec.modules[0]
     keys = {} if grouped else local_casts(first, module_names[id(first)], casts)
-    policy = spec.policy or _policy_for(name, params, mapped, keys, rules, maps=maps, scope=scope)
+    own = keys.get("") if spec.policy is None else None
+    if own is not None and all(p.compute == own.inputs for p in params):
+        # The unit's module is kept whole: it computes as a unit of that dtype, FSDP casting its
+        # inputs (and its outputs back), as the separate-units layout makes it.
+        casts.pop(module_names[id(first)])
+        params = [replace(p, mapped=False) for p in params]
+        policy: MixedPrecisionPolicy = MixedPrecisionPolicy(
+            param_dtype=own.inputs,
+            reduce_dtype=rules.reduce_dtype,
+            output_dtype=activation if own.outputs else rules.output_dtype,
+            cast_forward_inputs=True,
+        )
+    else:
+        policy = spec.policy or _policy_for(
+            name, params, mapped, keys, rules, maps=maps, scope=scope
+        )
     return PlannedUnit(
         name=name,
         modules=spec.modules,

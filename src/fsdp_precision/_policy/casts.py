@@ -1,6 +1,6 @@
 """Boundary casts of kept modules: a module whose parameters compute in another dtype than the
 rest of its unit gets its floating inputs cast to that dtype, and (where it returns activations)
-its floating outputs cast back to the dtype they came in: what a nested FSDP unit's
+its floating outputs cast back to the unit's compute dtype: what a nested FSDP unit's
 ``cast_forward_inputs`` and ``output_dtype`` would do, without the nested unit.
 
 Without them a mapped parameter meets activations of the unit's dtype: an fp32 router weight in
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: How a kept module meets the activations around it:
-#: ``"auto"``: inputs cast to the kept dtype; outputs cast back to the dtype they came in when
+#: ``"auto"``: inputs cast to the kept dtype; outputs cast back to the unit's compute dtype when
 #: the module only holds per-channel gains (every kept parameter 1-D or 0-D: norms, scales),
 #: which return activations for the next matmul, or when it is not kept wider than the
 #: activations; a module with a matrix kept wider (an fp32 router, T5's ``wo``) returns its
@@ -54,8 +54,10 @@ class ModuleCast:
 
     Attributes:
         inputs (torch.dtype): Floating tensors in the forward's arguments are cast to this dtype.
-        outputs (bool): Floating tensors in the forward's output are cast back to the dtype of
-            the first floating input, as it came in. (Default: ``False``)
+        outputs (bool): Floating tensors in the forward's output are cast back to the
+            activations' dtype: the ``param_dtype`` of the ``fully_shard`` call that installs the
+            cast, as a nested unit's ``output_dtype`` would (the dtype the first floating input
+            came in, for a call with ``param_dtype=None``). (Default: ``False``)
     """
 
     inputs: torch.dtype
@@ -104,8 +106,9 @@ class _Hooks:
     """The pre- and post-forward hooks of one module's cast; a stack of incoming dtypes keeps
     nested or re-entrant calls (activation checkpointing's recompute) apart."""
 
-    def __init__(self, cast: ModuleCast) -> None:
+    def __init__(self, cast: ModuleCast, back: torch.dtype | None) -> None:
         self.cast = cast
+        self.back = back
         self.incoming: list[torch.dtype | None] = []
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -117,16 +120,19 @@ class _Hooks:
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         incoming = self.incoming.pop() if self.incoming else None
-        if not self.cast.outputs or incoming is None:
+        target = self.back or incoming
+        if not self.cast.outputs or target is None:
             return output
-        return tree_map(_cast_to(incoming), output)
+        return tree_map(_cast_to(target), output)
 
 
-def install_cast(module: nn.Module, cast: ModuleCast) -> bool:
-    """Register ``cast``'s hooks on ``module`` (False, changing nothing, when it has one)."""
+def install_cast(module: nn.Module, cast: ModuleCast, back: torch.dtype | None = None) -> bool:
+    """Register ``cast``'s hooks on ``module``, outputs cast back to ``back`` (the call's
+    ``param_dtype``; ``None``: the dtype the input came in). False, changing nothing, when it
+    has one already."""
     if installed_cast(module) is not None:
         return False
-    hooks = _Hooks(cast)
+    hooks = _Hooks(cast, back)
     module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     setattr(module, _ATTR, cast)

@@ -120,7 +120,11 @@ class Reference:
         names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         # The boundary casts of kept modules, as the construction step installs them; after the
         # unit hooks below, in the order FSDP's prepended hooks and the casts run.
-        boundaries = [(self.module.get_submodule(f), c) for f, c in plan.module_casts.items()]
+        boundaries = [
+            (self.module.get_submodule(f), c, unit.policy.param_dtype)
+            for unit in plan.units
+            for f, c in unit.module_casts.items()
+        ]
         for unit in plan.units:
             policy = unit.policy
             cast = policy.param_dtype if policy.cast_forward_inputs else None
@@ -131,8 +135,8 @@ class Reference:
                 )
                 if policy.output_dtype is not None:
                     ref.register_forward_hook(_post_forward(policy.output_dtype))
-        for kept, boundary in boundaries:
-            install_cast(kept, boundary)
+        for kept, boundary, back in boundaries:
+            install_cast(kept, boundary, back)
 
     def master_grads(self) -> dict[str, torch.Tensor | None]:
         """Each compute-dtype gradient through its reduce dtype into its storage dtype."""
