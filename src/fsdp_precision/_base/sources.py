@@ -17,7 +17,7 @@ from typing import Any
 
 from fsdp_precision._base.errors import PatchIntegrityError
 
-__all__ = ["lookup", "source_sha256", "verify_sources"]
+__all__ = ["WAY_THROUGH", "lookup", "source_differences", "source_sha256", "verify_sources"]
 
 
 def lookup(target: str) -> Any:
@@ -47,22 +47,37 @@ def source_sha256(func: Callable[..., Any]) -> str:
     return hashlib.sha256("\n".join(span).encode()).hexdigest()
 
 
-def verify_sources(expected: Mapping[str, str], *, torch_version: str) -> None:
-    """Raise :class:`PatchIntegrityError` on the first target whose source hash differs."""
+#: What an error of an unknown or changed torch names as the way through.
+WAY_THROUGH = (
+    "to train anyway, plan the public-API layout (each kept module its own fully_shard unit, "
+    "bitwise the same numerics, more collectives): compile_param_dtype_maps(..., "
+    "unknown_torch='public_api'), DistributedConfig(fsdp_unknown_torch='public_api') or "
+    "model_policy(..., unknown_torch='public_api'); fsdp-precision doctor shows what differs"
+)
+
+
+def source_differences(expected: Mapping[str, str]) -> list[str]:
+    """Every target whose source differs from its recorded hash (or cannot be found), as
+    ``"pkg.module:qualname (why)"``; empty when all match."""
+    differing = []
     for target, sha in expected.items():
         try:
             actual = source_sha256(lookup(target))
         except (ImportError, AttributeError, OSError, TypeError) as exc:
-            raise PatchIntegrityError(
-                f"fsdp_precision cannot find {target} in torch {torch_version} ({exc}); the "
-                "patch for this release was written against a different torch build. Install "
-                "the torch release the patch supports, or report the torch build you use"
-            ) from exc
+            differing.append(f"{target} (not found: {type(exc).__name__})")
+            continue
         if actual != sha:
-            raise PatchIntegrityError(
-                f"fsdp_precision refuses to patch torch {torch_version}: {target} differs from "
-                f"the source this patch was written for (sha256 {actual[:12]}..., expected "
-                f"{sha[:12]}...). Nothing was patched. Install an unmodified torch of a "
-                "supported release, or, for a fully supported path without the patch, give "
-                "each fp32 module its own fully_shard unit with param_dtype=None"
-            )
+            differing.append(f"{target} (sha256 {actual[:12]}..., expected {sha[:12]}...)")
+    return differing
+
+
+def verify_sources(expected: Mapping[str, str], *, torch_version: str) -> None:
+    """Raise :class:`PatchIntegrityError` naming every target whose source differs."""
+    differing = source_differences(expected)
+    if differing:
+        raise PatchIntegrityError(
+            f"fsdp_precision refuses to patch torch {torch_version}: {len(differing)} of the "
+            f"{len(expected)} upstream functions the patch replaces or relies on differ from the "
+            f"sources it was written for: {'; '.join(differing)}. Nothing was patched. Install "
+            f"an unmodified torch of a supported release, or, {WAY_THROUGH}"
+        )

@@ -192,6 +192,15 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     )
     verify.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     verify.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor = sub.add_parser(
+        "doctor",
+        help="what this machine's torch and packages mean for fsdp_precision",
+        description="Reports torch and the integration packages beside the versions the "
+        "library was tested with, whether each upstream function the patch relies on matches "
+        "its recorded source, torch's native override, the accelerator and backends, and which "
+        "layout a plan takes here. Exit code 0 when the patch can run, 1 when it cannot.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
@@ -238,6 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     as_json=args.json,
                 )
             )
+        if args.command == "doctor":
+            from fsdp_precision._cli.doctor import run_doctor  # lazy: only what it runs
+
+            return run_doctor(args.json)
         if args.command == "verify":
             # lazy: each command imports only what it runs
             from fsdp_precision._cli.verify import VerifyOptions, run_verify

@@ -8,15 +8,19 @@ order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
 import torch.nn as nn
 
+from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
+from fsdp_precision._patch.status import patch_status
 from fsdp_precision._plan.advice import advise, advised_rules
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
@@ -27,7 +31,7 @@ from fsdp_precision._plan.rules import PrecisionRules, rule_label
 from fsdp_precision._plan.separate import separate_units_plan
 from fsdp_precision._plan.units import default_units
 
-__all__ = ["LAYOUTS", "Layout", "compile_param_dtype_maps"]
+__all__ = ["LAYOUTS", "UNKNOWN_TORCH", "Layout", "UnknownTorch", "compile_param_dtype_maps"]
 
 #: What ``units`` holds: a module, or a list of modules for a grouped call.
 Unit = nn.Module | Sequence[nn.Module]
@@ -37,6 +41,14 @@ Unit = nn.Module | Sequence[nn.Module]
 #: holds them its own unit, public API only, more collectives.
 Layout = Literal["in_unit", "separate_units"]
 LAYOUTS: tuple[Layout, ...] = ("in_unit", "separate_units")
+
+logger = logging.getLogger(__name__)
+#: What to do on a torch the patch does not know (a release without a release module, or one
+#: whose upstream sources differ): ``"refuse"`` (``apply()`` raises, naming what differs and
+#: this option), or ``"public_api"``: plan the separate-units layout, which needs no patch
+#: (bitwise the same numerics, more collectives), with a warning saying why and what it costs.
+UnknownTorch = Literal["refuse", "public_api"]
+UNKNOWN_TORCH: tuple[UnknownTorch, ...] = ("refuse", "public_api")
 
 
 def compile_param_dtype_maps(
@@ -49,6 +61,7 @@ def compile_param_dtype_maps(
     reshard_after_forward: bool | int | None = None,
     hsdp: bool = False,
     example_inputs: object = None,
+    unknown_torch: UnknownTorch = "refuse",
 ) -> PrecisionPlan:
     """Compile ``rules`` into one exact map per planned ``fully_shard`` call.
 
@@ -64,7 +77,9 @@ def compile_param_dtype_maps(
     ``example_inputs`` (a mapping of keyword arguments, a tuple or one tensor) feed the
     precision advisor's traced forward (``PrecisionRules.advice``), which then runs here;
     without them it runs on the model's ``dummy_inputs``, here with ``advice="apply"``, else
-    when :attr:`PrecisionPlan.advice` is first read.
+    when :attr:`PrecisionPlan.advice` is first read. ``unknown_torch="public_api"``: where the
+    patch cannot run on the installed torch (:data:`UNKNOWN_TORCH`), plan the separate-units
+    layout instead, and say so (``plan.fallback``, a warning with the extra collectives).
 
     Raises :class:`ParamDtypeMapError` (before anything is wrapped) for rules that match nothing,
     user rules that earlier rules fully shadow, parameters no unit owns, ties across units,
@@ -75,6 +90,13 @@ def compile_param_dtype_maps(
         raise TypeError(f"rules must be a PrecisionRules, got {type(rules).__name__}")
     layout = _layout(layout, rules)
     _check_knobs(world_size, reshard_after_forward, hsdp)
+    if unknown_torch not in UNKNOWN_TORCH:
+        raise ValueError(
+            f"unknown_torch must be 'refuse' or 'public_api', got {unknown_torch!r}: 'public_api' "
+            "plans separate units where the patch cannot run on the installed torch"
+        )
+    status = patch_status() if unknown_torch == "public_api" else None
+    fallback = status.reason() if status is not None and not status.usable else None
     specs = list(default_units(model) if units is None else units)
     if not specs:
         raise ValueError("units is empty; pass the modules to wrap, the root last")
@@ -120,7 +142,29 @@ def compile_param_dtype_maps(
         hsdp=hsdp,
         found_advice=found,
     )
+    if fallback is not None:
+        return _fall_back(plan if in_unit else separate_units_plan(plan), plan, fallback)
     return plan if in_unit else separate_units_plan(plan)
+
+
+def _fall_back(separate: PrecisionPlan, in_unit: PrecisionPlan, reason: str) -> PrecisionPlan:
+    """``separate`` (the public-API layout) if ``in_unit`` needs the patch, with the warning."""
+    if not any(u.param_dtype_map or u.module_casts for u in in_unit.units):
+        return in_unit  # nothing kept: no patch needed, nothing changes
+    if in_unit is separate:
+        separate = separate_units_plan(in_unit)
+    extra = {
+        k: separate.totals()[k] - in_unit.totals()[k]
+        for k in ("all_gathers_per_step", "reduce_scatters_per_step", "units")
+    }
+    note = (
+        f"{reason}; planned the public-API layout instead (each kept module its own "
+        f"fully_shard unit): {extra['units']} more units, {extra['all_gathers_per_step']} more "
+        f"all-gathers and {extra['reduce_scatters_per_step']} more reduce-scatters per step"
+    )
+    if is_rank0():
+        logger.warning("fsdp_precision: %s", note)
+    return replace(separate, fallback=note)
 
 
 def _layout(layout: object, rules: PrecisionRules) -> Layout:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan.claims import fqns_by_param
-from fsdp_precision._plan.compile import compile_param_dtype_maps
+from fsdp_precision._plan.compile import UnknownTorch, compile_param_dtype_maps
+from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
@@ -22,7 +25,9 @@ from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 __all__ = ["model_policy"]
 
 
-def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrecisionPolicy:
+def model_policy(
+    model: nn.Module, rules: PrecisionRules, *, unknown_torch: UnknownTorch = "refuse"
+) -> ParamDtypeMixedPrecisionPolicy:
     """One policy for every ``fully_shard`` call on ``model`` or any of its submodules.
 
     The rules and the model's keep declarations are compiled once (as for a single root unit:
@@ -38,6 +43,12 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
     checkpoint's router kept in fp32) are upcast exactly, in place, once every check passed
     (``PrecisionPlan.upcasts``).
 
+    ``unknown_torch="public_api"``: on a torch the patch cannot run on, wrap each kept module
+    as its own ``fully_shard`` unit now (on the default mesh over all ranks: the process group
+    must exist), with a warning saying why and what it costs, and return a policy without a map
+    for the framework's calls: the same numerics, public API only. ``"refuse"`` (default)
+    raises the patch's error, which names what differs and this option.
+
     Raises ``ValueError`` for the deprecated ``rules.strategy="split"``: separate units are a
     unit layout, which a policy cannot choose.
     """
@@ -49,7 +60,9 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
             "deprecated): they are a unit layout; plan them with "
             "compile_param_dtype_maps(..., layout='separate_units')"
         )
-    plan = compile_param_dtype_maps(model, rules, [model])
+    plan = compile_param_dtype_maps(model, rules, [model], unknown_torch=unknown_torch)
+    if plan.fallback is not None:
+        return _separate_now(plan, rules)
     mapped = plan.units[0].param_dtype_map  # one canonical (first) name per parameter
     entries: dict[Slot, tuple[str, torch.dtype]] = {}
     for names in fqns_by_param(model).values():
@@ -63,9 +76,12 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
     casts = plan.module_casts
     apply_param_dtype_map_patch()
     upcast_storage(model, plan.upcasts)  # every check passed
+    # Every parameter kept in one dtype: the plan's unit is one of that dtype (build.py)
+    unit_policy = plan.units[0].policy
     return ModelScopedPolicy(
-        param_dtype=rules.param_dtype,
+        param_dtype=unit_policy.param_dtype,
         reduce_dtype=rules.reduce_dtype,
+        output_dtype=unit_policy.output_dtype,
         param_dtype_map=mapped,
         module_casts=casts,
         scope=ModelScope(
@@ -75,4 +91,26 @@ def model_policy(model: nn.Module, rules: PrecisionRules) -> ParamDtypeMixedPrec
             modules=weakref.WeakSet(model.modules()),
             casts={id(model.get_submodule(f)): (f, c) for f, c in casts.items()},
         ),
+    )
+
+
+def _separate_now(plan: PrecisionPlan, rules: PrecisionRules) -> ParamDtypeMixedPrecisionPolicy:
+    """The public-API layout's kept units, wrapped now; a map-less policy for the rest."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "model_policy(..., unknown_torch='public_api') wraps the kept modules as their own "
+            "fully_shard units when it is called, and no process group exists yet; call "
+            "torch.distributed.init_process_group() (or create the framework's Accelerator or "
+            "Trainer arguments) first"
+        )
+    upcast_storage(plan.model, plan.upcasts)
+    for unit in plan.units:
+        if unit.separate_unit:
+            target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+            fully_shard(target, mp_policy=unit.policy)
+    return ParamDtypeMixedPrecisionPolicy(
+        param_dtype=rules.param_dtype,
+        reduce_dtype=rules.reduce_dtype,
+        output_dtype=rules.output_dtype,
+        cast_forward_inputs=rules.cast_forward_inputs,
     )

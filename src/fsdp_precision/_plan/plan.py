@@ -50,6 +50,9 @@ class PrecisionPlan:
             (``plan_model_for_training``). (Default: ``None``, units given by the caller)
         found_advice: What the precision advisor found when the plan was compiled with
             ``advice="apply"``. (Default: ``None``: traced when :attr:`advice` is first read)
+        fallback: Why the plan is the public-API layout although another was asked for
+            (``unknown_torch="public_api"`` on a torch the patch cannot run on), and what it
+            costs. (Default: ``None``)
     """
 
     model: nn.Module
@@ -63,6 +66,7 @@ class PrecisionPlan:
     replicated: tuple[PlannedParam, ...] = ()
     unit_choice: UnitChoice | None = None
     found_advice: PrecisionAdvice | None = None
+    fallback: str | None = None
 
     # ----------------------------------------------------------------- reading
 

@@ -111,6 +111,7 @@ def to_dict(plan: PrecisionPlan) -> dict[str, Any]:
     return {
         "model": type(plan.model).__name__,
         "rules": plan.rules.describe(),
+        "fallback": plan.fallback,
         "world_size": plan.world_size,
         "reshard_after_forward": plan.reshard_after_forward,
         "hsdp": plan.hsdp,
@@ -145,6 +146,7 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
     lines = [
         f"precision plan for {type(plan.model).__name__} ({plan.rules.describe()})",
         f"world size {plan.world_size} (bytes include FSDP's dim-0 padding)",
+        *([f"public-API layout: {plan.fallback}"] if plan.fallback else []),
         "",
     ]
     previous: tuple[Any, ...] | None = None

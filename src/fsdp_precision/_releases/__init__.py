@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from fsdp_precision._base.errors import UnsupportedTorchError
+from fsdp_precision._base.sources import WAY_THROUGH
 from fsdp_precision._releases.traits import ReleaseTraits
 
 __all__ = [
@@ -59,7 +60,7 @@ def release_module(version: str | None = None) -> ModuleType:
         raise UnsupportedTorchError(
             f"fsdp_precision has no patch for torch {torch.__version__} (release {release}); "
             f"supported releases: {supported}. Install one of them (pip install 'torch==2.14.*'), "
-            "or give each fp32 module its own fully_shard unit with param_dtype=None"
+            f"or, {WAY_THROUGH}"
         )
     return importlib.import_module(f"{__name__}.{release_module_name(release)}")
 

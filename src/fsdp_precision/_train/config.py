@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 import torch
 
-from fsdp_precision._plan.compile import LAYOUTS, Layout
+from fsdp_precision._plan.compile import LAYOUTS, UNKNOWN_TORCH, Layout, UnknownTorch
 from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules, Rule
 
 __all__ = ["PRESETS", "DistributedConfig", "Preset"]
@@ -70,6 +70,10 @@ class DistributedConfig:
             (Default: ``True``)
         hsdp_replicate_size: Replicas for ``"hsdp"``; must divide the world size. (Default:
             ``None``, required for ``"hsdp"``)
+        fsdp_unknown_torch: On a torch the patch cannot run on (a release it does not know, or
+            changed upstream sources): ``"refuse"`` (the wrap raises, naming what differs) or
+            ``"public_api"`` (plan separate units instead: the same numerics, more collectives,
+            with a warning). (Default: ``"refuse"``)
         compile_units: ``torch.compile`` each unit but the root after wrapping it (its
             ``module.compile(backend=...)``, as torchtitan compiles its blocks): ``"inductor"``,
             ``"aot_eager"`` or ``"off"``. Kept parameters inside a unit add no graph break; a
@@ -93,6 +97,7 @@ class DistributedConfig:
     fsdp_cpu_offload: bool = False
     fsdp_reshard_after_forward: bool = True
     hsdp_replicate_size: int | None = None
+    fsdp_unknown_torch: UnknownTorch = "refuse"
     compile_units: CompileBackend = "off"
     compile_fullgraph: bool = False
     precision_rules: tuple[Rule, ...] | None = None
@@ -124,6 +129,10 @@ class DistributedConfig:
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "use True or False")
         self._check_compile()
+        if self.fsdp_unknown_torch not in UNKNOWN_TORCH:
+            raise _bad(
+                "fsdp_unknown_torch", self.fsdp_unknown_torch, "use 'refuse' or 'public_api'"
+            )
         self._check_hsdp()
         self._check_blocks()
         self._take_deprecated()

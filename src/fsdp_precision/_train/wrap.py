@@ -71,6 +71,7 @@ def plan_model_for_training(
         # needs first. An explicit True would re-gather the root in backward.
         reshard_after_forward=None if config.fsdp_reshard_after_forward else False,
         hsdp=hsdp,
+        unknown_torch=config.fsdp_unknown_torch,
     )
     return replace(plan, unit_choice=choice)
 
