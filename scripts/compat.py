@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The highest torch the constraint file on the development machines allows.
 CONSTRAINED_MAX = (2, 14, 1)
 DEFAULT_VENV_ROOT = Path("/work/venvs")
-TEST_PACKAGES = ("numpy", "pytest", "pytest-timeout")
+TEST_PACKAGES = ("numpy", "pytest", "pytest-timeout", "hypothesis")
 #: The extras every release is tested with: without them the Hugging Face and integration tests
 #: would skip on every release but the CI one (torchtitan keeps its own venv, as in CI).
 EXTRAS = ("hf", "integrations")

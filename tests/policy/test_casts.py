@@ -163,11 +163,16 @@ def test_kept_modules_train_with_no_hook_of_the_users(globs: tuple[str, ...]) ->
 def test_plans_compile_the_outermost_module_kept_whole() -> None:
     m = model()
     plan = fp.compile_param_dtype_maps(m, rules("*router.*", "layers.0.*"), [*m.layers, m])
-    # layers.0 is kept whole: one cast there, none again inside it; layers.1.router alone.
-    assert plan.module_casts == {
-        "layers.0": ModuleCast(fp32, outputs=False),
-        "layers.1.router": ModuleCast(fp32, outputs=False),
-    }
+    # layers.0, a unit, is kept whole: a unit of fp32 (FSDP casts its inputs; a matrix kept
+    # wider returns fp32), no cast inside it; layers.1.router alone gets a boundary cast.
+    assert plan.module_casts == {"layers.1.router": ModuleCast(fp32, outputs=False)}
+    layer0 = plan.units[0].policy
+    assert (layer0.param_dtype, layer0.output_dtype, layer0.cast_forward_inputs) == (
+        fp32,
+        None,
+        True,
+    )
+    assert not plan.units[0].param_dtype_map
     assert "boundary cast at layers.1.router: inputs -> float32" in plan.explain()
     units = plan.to_dict()["units"]
     assert units[1]["module_casts"] == {

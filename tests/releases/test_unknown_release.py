@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
-from fsdp_precision._patch.status import patch_status
+from fsdp_precision._releases.status import patch_status
 from fsdp_precision._releases import release_module
 
 from tests.support.harness import collect_cases, distributed_suite

@@ -251,7 +251,7 @@ class Stem(nn.Module):
 
 @pytest.mark.usefixtures("world1")
 @pytest.mark.parametrize("force_cast", [False, True], ids=["planned", "negative_control"])
-def test_all_kept_unit_does_not_cast_its_inputs(force_cast: bool) -> None:
+def test_all_kept_unit_computes_in_its_kept_dtype(force_cast: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     config = DistributedConfig(
@@ -261,7 +261,9 @@ def test_all_kept_unit_does_not_cast_its_inputs(force_cast: bool) -> None:
     model = Stem()
     plan = plan_model_for_training(model, config)
     pre_unit = plan.units[0]
-    assert pre_unit.name == "pre" and pre_unit.policy.cast_forward_inputs is False
+    # a unit of fp32: its inputs cast to fp32 (not to the root's bf16), its output back to bf16
+    assert pre_unit.name == "pre" and pre_unit.policy.param_dtype == fp32
+    assert (pre_unit.policy.cast_forward_inputs, pre_unit.policy.output_dtype) == (True, bf16)
     assert plan.units[-1].policy.cast_forward_inputs is True
     if force_cast:  # what a unit policy with cast_forward_inputs=True would do
         forced = replace(pre_unit, policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._base.sources import lookup, source_sha256
 from fsdp_precision._base.version import __version__
-from fsdp_precision._patch.status import patch_status
 from fsdp_precision._releases import SUPPORTED_RELEASES, release_module
+from fsdp_precision._releases.status import patch_status
 
 __all__ = ["TESTED_WITH", "doctor_report", "format_doctor", "run_doctor"]
 

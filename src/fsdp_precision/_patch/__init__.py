@@ -20,6 +20,7 @@ import threading
 import torch
 
 from fsdp_precision._base.sources import verify_sources
+from fsdp_precision._policy.agree import set_checking
 from fsdp_precision._releases import ReleaseTraits, release_module
 
 __all__ = [
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _applied: ReleaseTraits | None = None  # the installed release's traits, while installed
-_check_ranks = True  # apply_param_dtype_map_patch(check_ranks=...)
 
 
 def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
@@ -49,11 +49,11 @@ def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
     abort or an NCCL hang at the first all-gather. ``False`` turns it off (on every rank alike),
     ``True`` back on; ``None`` (default) keeps the current setting, on at first.
     """
-    global _applied, _check_ranks
+    global _applied
     if check_ranks is not None:
         if not isinstance(check_ranks, bool):
             raise ValueError(f"check_ranks must be True, False or None, got {check_ranks!r}")
-        _check_ranks = check_ranks
+        set_checking(check_ranks)
     with _lock:
         if _applied is not None:
             return
@@ -65,12 +65,6 @@ def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
         replacements.install(release.TRAITS)
         _applied = release.TRAITS
         logger.info("fsdp_precision: patched FSDP2 of torch %s", torch.__version__)
-
-
-def ranks_checked() -> bool:
-    """Whether ``fully_shard`` calls compare what they resolved across ranks
-    (:func:`apply_param_dtype_map_patch`'s ``check_ranks``)."""
-    return _check_ranks
 
 
 def remove_param_dtype_map_patch() -> None:

@@ -32,9 +32,9 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError, RankMismatchError
 from fsdp_precision._hf.recording import keep_output_recording
-from fsdp_precision._patch import ranks_checked, registry
+from fsdp_precision._patch import registry
 from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR
-from fsdp_precision._policy.agree import agree, call_record
+from fsdp_precision._policy.agree import agree, call_record, checking
 from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
 from fsdp_precision._policy.native import native_policy
@@ -112,9 +112,9 @@ def _agree(
     policy: MixedPrecisionPolicy,
     refusal: str = "",
 ) -> None:
-    """Compare what this call resolved across its mesh's ranks (``ranks_checked()``); on a
+    """Compare what this call resolved across its mesh's ranks (``checking()``); on a
     difference every rank raises the same ``RankMismatchError``, FSDP's registration undone."""
-    if not ranks_checked():
+    if not checking():
         return
     mesh_info, device = args[0], args[2]
     groups = [

@@ -25,7 +25,20 @@ import torch.nn as nn
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import RankMismatchError
 
-__all__ = ["CallRecord", "agree", "call_record"]
+__all__ = ["CallRecord", "agree", "call_record", "checking", "set_checking"]
+
+_checking = True  # apply_param_dtype_map_patch(check_ranks=...)
+
+
+def set_checking(enabled: bool) -> None:
+    """Whether ``fully_shard`` calls compare what they resolved across ranks (on by default)."""
+    global _checking
+    _checking = enabled
+
+
+def checking() -> bool:
+    """See :func:`set_checking`."""
+    return _checking
 
 
 @dataclass(frozen=True)
@@ -103,9 +116,12 @@ def agree(
         raise RankMismatchError(_message([r for r in records if r is not None], ranks))
 
 
-#: torch 2.13 renamed ``all_gather_into_tensor`` (a deprecation warning since) to
-#: ``all_gather_single``; 2.11 and 2.12 have only the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (a deprecation warning since) to
+    # all_gather_single; 2.11 and 2.12 have only the old name. Looked up per call: a
+    # collective recorder (testing.CollectiveRecorder) wraps the module attribute.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 def _message(records: list[CallRecord], ranks: list[int]) -> str:
