@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
-from fsdp_precision._releases.status import patch_status
 from fsdp_precision._releases import release_module
+from fsdp_precision._releases.status import patch_status
 
 from tests.support.harness import collect_cases, distributed_suite
 from tests.support.models import Net, inputs, local, loss_of
