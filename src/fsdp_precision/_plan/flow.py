@@ -184,7 +184,7 @@ class Flow(TorchFunctionMode):
         inputs = [self._taint_of(t) for t in tensors]
         if not any(t.paths or t.activation for t in inputs):
             return out
-        self._find(name, func, tensors, inputs, out)
+        self._find(name, tensors, inputs, out)
         taint = self._through(name, inputs)
         # Integer results (indices, token ids) carry only whether they depend on the inputs: the
         # experts a router picked are not computed from the router's weight.
@@ -257,7 +257,6 @@ class Flow(TorchFunctionMode):
     def _find(
         self,
         name: str,
-        func: Callable[..., Any],
         tensors: list[torch.Tensor],
         inputs: list[_Taint],
         out: Any,
