@@ -35,7 +35,20 @@ def test_the_trace_reaches_the_end_and_restores_the_config() -> None:
     assert model.config._experts_implementation == before
 
 
+def _grouped_mm_takes_fp32_on_meta() -> bool:
+    a = torch.empty(8, 4, device="meta")
+    b = torch.empty(2, 4, 4, device="meta")
+    offs = torch.tensor([4, 8], dtype=torch.int32, device="meta")
+    try:
+        torch._grouped_mm(a, b, offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def test_negative_control_without_the_switch_it_stops_at_the_experts(monkeypatch) -> None:
+    if _grouped_mm_takes_fp32_on_meta():
+        pytest.skip(f"torch {torch.__version__}'s grouped_mm takes fp32 on meta: no trace stops")
     monkeypatch.setattr(usage, "traceable_experts", lambda model: contextlib.nullcontext())
     uses = param_usage(_qwen3_moe_on_meta())
     assert "stopped early" in uses.traced and "BF16" in uses.traced
