@@ -4,6 +4,7 @@ end on the meta device: fused experts dispatch to ``batched_mm`` while it runs."
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -51,4 +52,5 @@ def test_negative_control_without_the_switch_it_stops_at_the_experts(monkeypatch
         pytest.skip(f"torch {torch.__version__}'s grouped_mm takes fp32 on meta: no trace stops")
     monkeypatch.setattr(usage, "traceable_experts", lambda model: contextlib.nullcontext())
     uses = param_usage(_qwen3_moe_on_meta())
-    assert "stopped early" in uses.traced and "BF16" in uses.traced
+    # the meta kernel refuses fp32 ("Expected inputs of BF16 type", 2.14: "BFloat16 or ...")
+    assert "stopped early" in uses.traced and re.search(r"BF16|BFloat16", uses.traced)
