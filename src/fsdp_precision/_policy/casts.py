@@ -135,14 +135,23 @@ def install_cast(module: nn.Module, cast: ModuleCast, back: torch.dtype | None =
     hooks = _Hooks(cast, back)
     module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
-    setattr(module, _ATTR, cast)
+    setattr(module, _ATTR, hooks)
     return True
 
 
 def installed_cast(module: nn.Module) -> ModuleCast | None:
     """The cast installed on ``module``, or None."""
-    cast = getattr(module, _ATTR, None)
-    return cast if isinstance(cast, ModuleCast) else None
+    hooks = getattr(module, _ATTR, None)
+    return hooks.cast if isinstance(hooks, _Hooks) else None
+
+
+def incoming_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype the running forward of ``module`` came in, before its cast (None: no cast, or
+    no forward running). A hook registered after the cast's reads it here: hooks run in
+    registration order, and prepending one instead trips torch 2.11's dynamo, whose guards
+    index a module's hooks in registration order."""
+    hooks = getattr(module, _ATTR, None)
+    return hooks.incoming[-1] if isinstance(hooks, _Hooks) and hooks.incoming else None
 
 
 def resolve_casts(

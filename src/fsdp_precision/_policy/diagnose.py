@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._policy.casts import ModuleCast, installed_cast
+from fsdp_precision._policy.casts import ModuleCast, incoming_dtype, installed_cast
 
 __all__ = [
     "NOTE_PREFIX",
@@ -97,6 +97,16 @@ class _Call:
     owner: str  # class of the call's module
     wide: list[tuple[str, str, torch.dtype, torch.dtype]] = field(default_factory=list)
 
+    def pre(self, module: nn.Module, args: Any) -> None:
+        self.wide.clear()
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        exc = sys.exc_info()[1]
+        if exc is None or getattr(exc, _NOTED, False) or not is_dtype_mismatch(exc):
+            return
+        if self.wide:
+            _add_note(exc, _after_note(self))
+
 
 def kept_modules(
     modules: Sequence[nn.Module],
@@ -137,62 +147,58 @@ def _slot(module: nn.Module, fqn: str) -> tuple[int, str]:
 
 def install_diagnosis(call_modules: Sequence[nn.Module], kept: Sequence[KeptModule]) -> None:
     """Register the naming hooks of one call: on each module of ``kept`` (by FQN under the
-    first call module that has it) and on the call's modules. Idempotent per module."""
+    first call module that has it) and on the call's modules. Idempotent per module. Hooks
+    are appended, never prepended: torch 2.11's dynamo guards a module's hooks by registration
+    order and fails on a prepended one when it compiles the block around them."""
     for member in call_modules:
         if getattr(member, _ATTR, None) is not None:
             continue
         call = _Call(type(member).__name__)
         setattr(member, _ATTR, call)
-        member.register_forward_pre_hook(lambda m, a, c=call: c.wide.clear())
-        member.register_forward_hook(_call_hook(call), always_call=True)
+        member.register_forward_pre_hook(call.pre)
+        member.register_forward_hook(call.post, always_call=True)
         named = dict(member.named_modules())
         for entry in kept:
             module = named.get(entry.name)
             if module is None or getattr(module, _ATTR, None) is not None or module is member:
                 continue
             setattr(module, _ATTR, entry)
-            # (incoming dtype, len(call.wide)) per running forward of the module
-            frames: list[tuple[torch.dtype | None, int]] = []
-            module.register_forward_pre_hook(_record(call, frames), prepend=True, with_kwargs=True)
-            module.register_forward_hook(_kept_hook(entry, call, frames), always_call=True)
+            watch = _KeptWatch(entry, call, after_cast=installed_cast(module) is not None)
+            module.register_forward_pre_hook(watch.pre, with_kwargs=True)
+            module.register_forward_hook(watch.post, always_call=True)
 
 
-def _record(call: _Call, frames: list[tuple[torch.dtype | None, int]]) -> Any:
-    def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+class _KeptWatch:
+    """The hooks on one kept module: the dtype each forward came in (before any boundary cast:
+    read from the cast when it was installed first, its hooks then running first), and the
+    note an error passing through gets."""
+
+    def __init__(self, entry: KeptModule, call: _Call, *, after_cast: bool) -> None:
+        self.entry = entry
+        self.call = call
+        self.after_cast = after_cast
+        # (incoming dtype, len(call.wide)) per running forward of the module
+        self.frames: list[tuple[torch.dtype | None, int]] = []
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         dtypes = _dtypes((args, kwargs))
-        frames.append((dtypes[0] if dtypes else None, len(call.wide)))
+        came = incoming_dtype(module) if self.after_cast else (dtypes[0] if dtypes else None)
+        self.frames.append((came, len(self.call.wide)))
 
-    return pre
-
-
-def _kept_hook(entry: KeptModule, call: _Call, frames: list[tuple[torch.dtype | None, int]]) -> Any:
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        came, wide_before = frames.pop() if frames else (None, 0)
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        came, wide_before = self.frames.pop() if self.frames else (None, 0)
         exc = sys.exc_info()[1]
         if exc is None:  # returned: record activations that leave in another dtype
             out = _dtypes(output)
             if came is not None and out and out[0] != came:
-                call.wide.append((entry.name, type(module).__name__, came, out[0]))
+                self.call.wide.append((self.entry.name, type(module).__name__, came, out[0]))
             return
         if getattr(exc, _NOTED, False) or not is_dtype_mismatch(exc):
             return
-        if len(call.wide) > wide_before:  # kept modules inside it returned wide activations
-            _add_note(exc, _after_note(call))
+        if len(self.call.wide) > wide_before:  # kept modules inside returned wide activations
+            _add_note(exc, _after_note(self.call))
         else:
-            _add_note(exc, _inside_note(entry, module, came))
-
-    return post
-
-
-def _call_hook(call: _Call) -> Any:
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        exc = sys.exc_info()[1]
-        if exc is None or getattr(exc, _NOTED, False) or not is_dtype_mismatch(exc):
-            return
-        if call.wide:
-            _add_note(exc, _after_note(call))
-
-    return post
+            _add_note(exc, _inside_note(self.entry, module, came))
 
 
 def _shown(params: Sequence[tuple[str, torch.dtype]]) -> str:
