@@ -126,6 +126,7 @@ def main() -> None:
         mesh = next(iter(model.parameters())).device_mesh  # type: ignore[attr-defined]
         print(f"trained to step {args.steps - 1} on mesh {mesh.mesh.tolist()}: losses "
               f"{[round(x, 4) for x in losses]}")  # fmt: skip
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 
