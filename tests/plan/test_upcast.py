@@ -68,6 +68,7 @@ def test_model_policy_upcasts_once_every_check_passed() -> None:
 
 
 def test_a_declaration_stored_narrower_is_refused_with_fixes_that_work() -> None:
+    pytest.importorskip("transformers", reason="needs the hf extra (transformers)")
     from tests.support.hf_models import t5
 
     lost = t5().to(fp16)  # .to() undoes the declaration: wo is fp16 already
@@ -92,6 +93,7 @@ def test_a_declaration_stored_narrower_is_refused_with_fixes_that_work() -> None
 
 
 def test_cast_keeping_fp32_checks_its_rules() -> None:
+    pytest.importorskip("transformers", reason="needs the hf extra (transformers)")
     from tests.support.hf_models import t5
 
     with pytest.raises(TypeError, match="rules must be a PrecisionRules"):

@@ -225,6 +225,7 @@ def test_rules_that_disagree_on_a_module_are_refused() -> None:
 def test_model_declarations_cast_nothing() -> None:
     """A model's own declaration keeps its forward as its library loads it: no cast, unless a
     user rule claims the module."""
+    pytest.importorskip("transformers", reason="needs the hf extra (transformers)")
     from tests.support.hf_models import t5
 
     plan = fp.compile_param_dtype_maps(t5(), fp.PrecisionRules(param_dtype=fp16))  # declares wo
