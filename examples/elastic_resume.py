@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -132,3 +133,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave without interpreter shutdown (as the library's own launcher does): a gloo worker
+    # thread can still hold the last collective's work, and releasing its tensors while the
+    # interpreter finalises aborts a rank that finished ("terminate called without an active
+    # exception"; 3 of about 30 runs here). Everything is written and the group destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
