@@ -17,7 +17,14 @@ from typing import Any
 
 from fsdp_precision._base.errors import PatchIntegrityError
 
-__all__ = ["WAY_THROUGH", "lookup", "source_differences", "source_sha256", "verify_sources"]
+__all__ = [
+    "WAY_THROUGH",
+    "check_sources",
+    "lookup",
+    "source_differences",
+    "source_sha256",
+    "verify_sources",
+]
 
 
 def lookup(target: str) -> Any:
@@ -56,19 +63,27 @@ WAY_THROUGH = (
 )
 
 
-def source_differences(expected: Mapping[str, str]) -> list[str]:
-    """Every target whose source differs from its recorded hash (or cannot be found), as
-    ``"pkg.module:qualname (why)"``; empty when all match."""
-    differing = []
+def check_sources(expected: Mapping[str, str]) -> dict[str, str | None]:
+    """Each target of ``expected`` (``"pkg.module:qualname"`` -> recorded sha256): ``None``
+    where its source matches, else why not (``"sha256 ..., expected ..."``, ``"not found:
+    ImportError"``)."""
+    checked: dict[str, str | None] = {}
     for target, sha in expected.items():
         try:
             actual = source_sha256(lookup(target))
         except (ImportError, AttributeError, OSError, TypeError) as exc:
-            differing.append(f"{target} (not found: {type(exc).__name__})")
+            checked[target] = f"not found: {type(exc).__name__}"
             continue
-        if actual != sha:
-            differing.append(f"{target} (sha256 {actual[:12]}..., expected {sha[:12]}...)")
-    return differing
+        checked[target] = (
+            None if actual == sha else f"sha256 {actual[:12]}..., expected {sha[:12]}..."
+        )
+    return checked
+
+
+def source_differences(expected: Mapping[str, str]) -> list[str]:
+    """Every target whose source differs from its recorded hash (or cannot be found), as
+    ``"pkg.module:qualname (why)"``; empty when all match."""
+    return [f"{target} ({why})" for target, why in check_sources(expected).items() if why]
 
 
 def verify_sources(expected: Mapping[str, str], *, torch_version: str) -> None:

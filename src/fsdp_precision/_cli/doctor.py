@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_precision._base.sources import lookup, source_sha256
 from fsdp_precision._base.version import __version__
-from fsdp_precision._releases import SUPPORTED_RELEASES, release_module
-from fsdp_precision._releases.status import patch_status
+from fsdp_precision._releases import SUPPORTED_RELEASES
+from fsdp_precision._releases.status import PatchStatus, patch_status
 
 __all__ = ["TESTED_WITH", "doctor_report", "format_doctor", "run_doctor"]
 
@@ -49,24 +48,12 @@ def _installed(package: str) -> str | None:
         return None
 
 
-def _functions() -> dict[str, str]:
-    """Each hashed upstream function: ``"matches"`` or why not (the installed release's list)."""
-    try:
-        sources = release_module().SOURCES
-    except Exception:  # noqa: BLE001 - an unsupported release has no list
-        return {}
-    out = {}
-    for target, sha in sources.items():
-        try:
-            actual = source_sha256(lookup(target))
-        except (ImportError, AttributeError, OSError, TypeError) as exc:
-            out[target] = f"not found ({type(exc).__name__})"
-            continue
-        out[target] = "matches" if actual == sha else f"differs (sha256 {actual[:12]}...)"
-    return out
+def _functions(status: PatchStatus) -> dict[str, str]:
+    """Each hashed upstream function of the installed release: ``"matches"`` or why not."""
+    return {t: "matches" if why is None else f"differs ({why})" for t, why in status.functions}
 
 
-def _layout(status: Any, native: bool) -> str:
+def _layout(status: PatchStatus, native: bool) -> str:
     if status.usable:
         how = "in-unit maps through the patch (one all-gather and one reduce-scatter per unit)"
         if native:
@@ -95,7 +82,7 @@ def doctor_report() -> dict[str, Any]:
             "patch_can_run": status.usable,
             "why_not": status.reason(),
         },
-        "upstream_functions": _functions(),
+        "upstream_functions": _functions(status),
         "native_override": native,
         "accelerator": {
             "cuda": cuda,

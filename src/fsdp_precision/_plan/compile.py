@@ -143,16 +143,15 @@ def compile_param_dtype_maps(
         found_advice=found,
     )
     if fallback is not None:
-        return _fall_back(plan if in_unit else separate_units_plan(plan), plan, fallback)
+        return _fall_back(plan, fallback)
     return plan if in_unit else separate_units_plan(plan)
 
 
-def _fall_back(separate: PrecisionPlan, in_unit: PrecisionPlan, reason: str) -> PrecisionPlan:
-    """``separate`` (the public-API layout) if ``in_unit`` needs the patch, with the warning."""
+def _fall_back(in_unit: PrecisionPlan, reason: str) -> PrecisionPlan:
+    """The public-API layout of ``in_unit`` if it needs the patch, with the warning."""
     if not any(u.param_dtype_map or u.module_casts for u in in_unit.units):
         return in_unit  # nothing kept: no patch needed, nothing changes
-    if in_unit is separate:
-        separate = separate_units_plan(in_unit)
+    separate = separate_units_plan(in_unit)
     extra = {
         k: separate.totals()[k] - in_unit.totals()[k]
         for k in ("all_gathers_per_step", "reduce_scatters_per_step", "units")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_precision._base.errors import UnsupportedTorchError
-from fsdp_precision._base.sources import source_differences
+from fsdp_precision._base.sources import check_sources
 from fsdp_precision._releases import SUPPORTED_RELEASES, release_module, torch_release
 
 __all__ = ["PatchStatus", "patch_status"]
@@ -27,16 +27,19 @@ class PatchStatus:
         torch_version: ``torch.__version__``.
         release: Its ``major.minor``.
         supported: A release module exists for it (its hashes and traits).
-        differing: The upstream functions whose sources differ from the recorded ones, each
-            with why (empty when all match, and on an unsupported release).
-        checked: How many upstream functions were compared.
+        functions: Each upstream function the patch replaces or relies on, with ``None`` where
+            its source matches the recorded one, else why not (empty on an unsupported release).
     """
 
     torch_version: str
     release: str
     supported: bool
-    differing: tuple[str, ...]
-    checked: int
+    functions: tuple[tuple[str, str | None], ...]
+
+    @property
+    def differing(self) -> tuple[str, ...]:
+        """The functions whose sources differ, each as ``"target (why)"``."""
+        return tuple(f"{target} ({why})" for target, why in self.functions if why)
 
     @property
     def usable(self) -> bool:
@@ -52,7 +55,7 @@ class PatchStatus:
             )
         if self.differing:
             return (
-                f"torch {self.torch_version}: {len(self.differing)} of the {self.checked} "
+                f"torch {self.torch_version}: {len(self.differing)} of the {len(self.functions)} "
                 f"upstream functions the patch relies on differ: {'; '.join(self.differing)}"
             )
         return ""
@@ -65,7 +68,5 @@ def patch_status() -> PatchStatus:
     try:
         module = release_module(version)
     except UnsupportedTorchError:
-        return PatchStatus(version, release, False, (), 0)
-    return PatchStatus(
-        version, release, True, tuple(source_differences(module.SOURCES)), len(module.SOURCES)
-    )
+        return PatchStatus(version, release, False, ())
+    return PatchStatus(version, release, True, tuple(check_sources(module.SOURCES).items()))
