@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_precision._cli import doctor as doctor_module
 from fsdp_precision._cli import main
 from fsdp_precision._releases import release_module
 
@@ -25,13 +26,14 @@ def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 def normalised(text: str) -> str:
-    """Versions of python and the packages replaced: the snapshot holds the structure."""
+    """Versions of python and the packages replaced, and whether each installed version was
+    tested (a registry release changes it): the snapshot holds the structure."""
     text = re.sub(r"fsdp-precision \S+, python \S+", "fsdp-precision X, python X", text)
     text = re.sub(r"accelerator: .*", "accelerator: X", text)
     text = re.sub(r"(param_dtype_override_fn\)): .*", r"\1: X", text)  # 2.15+ has it
     text = re.sub(r"backends: .*", "backends: X", text)
     head, _, packages = text.partition("packages (installed, tested with):\n")
-    rows = [re.sub(r"^  (\w+)\s+(?:not installed|\S+)\s+(.*)$", r"  \1 X \2", row)
+    rows = [re.sub(r"^  (\w+)\s+(?:not installed|\S+)\s+(.*?)(?:  \(untested\))?$", r"  \1 X \2", row)
             for row in packages.splitlines()]  # fmt: skip
     return head + "packages (installed, tested with):\n" + "\n".join(rows) + "\n"
 
@@ -76,3 +78,21 @@ def test_an_unknown_release_matches_the_snapshot(
     assert got == SNAPSHOT.read_text(), (
         "doctor's output changed: UPDATE_SNAPSHOTS=1 and docs/cli.md"
     )
+
+
+@pytest.mark.parametrize(
+    ("installed", "marked"),
+    [("1.15.0", False), ("1.15.0+local", False), ("1.16.0", True), (None, False)],
+)
+def test_an_installed_version_outside_the_tested_ones_is_marked(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    installed: str | None,
+    marked: bool,
+) -> None:
+    monkeypatch.setattr(doctor_module, "TESTED_WITH", {"accelerate": ("1.15.0",)})
+    monkeypatch.setattr(doctor_module, "_installed", lambda package: installed)
+    _, out = doctor(capsys)
+    (row,) = [ln for ln in out.splitlines() if ln.startswith("  accelerate ")]
+    assert row.endswith("  (untested)") is marked
+    assert ("not installed" in row) is (installed is None)

@@ -31,7 +31,7 @@ TESTED_WITH: dict[str, tuple[str, ...]] = {
     "torch": ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"),
     "transformers": ("5.24.0", "4.56.2"),
     "diffusers": ("0.42.1",),
-    "accelerate": ("1.15.0",),
+    "accelerate": ("1.16.0", "1.15.0"),
     "peft": ("0.21.2",),
     "trl": ("1.16.0",),
     "lightning": ("2.6.6",),
