@@ -96,3 +96,17 @@ def test_an_installed_version_outside_the_tested_ones_is_marked(
     (row,) = [ln for ln in out.splitlines() if ln.startswith("  accelerate ")]
     assert row.endswith("  (untested)") is marked
     assert ("not installed" in row) is (installed is None)
+
+
+def test_dev_and_ci_install_the_first_tested_version_of_each_package() -> None:
+    """``.ci/constraints.txt`` (what ``./dev`` and CI install) pins every package doctor lists,
+    torch aside (each venv pins its own), to the first version in ``TESTED_WITH``."""
+    path = Path(__file__).parents[2] / ".ci" / "constraints.txt"
+    pins = dict(
+        line.split("==")
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    expected = {name: tested[0] for name, tested in doctor_module.TESTED_WITH.items()}
+    del expected["torch"]
+    assert pins == expected
