@@ -80,15 +80,15 @@ def check_sources(expected: Mapping[str, str]) -> dict[str, str | None]:
     return checked
 
 
-def source_differences(expected: Mapping[str, str]) -> list[str]:
-    """Every target whose source differs from its recorded hash (or cannot be found), as
-    ``"pkg.module:qualname (why)"``; empty when all match."""
-    return [f"{target} ({why})" for target, why in check_sources(expected).items() if why]
+def source_differences(checked: Mapping[str, str | None]) -> list[str]:
+    """The targets of a :func:`check_sources` result whose source differs from its recorded
+    hash (or cannot be found), as ``"pkg.module:qualname (why)"``; empty when all match."""
+    return [f"{target} ({why})" for target, why in checked.items() if why]
 
 
 def verify_sources(expected: Mapping[str, str], *, torch_version: str) -> None:
     """Raise :class:`PatchIntegrityError` naming every target whose source differs."""
-    differing = source_differences(expected)
+    differing = source_differences(check_sources(expected))
     if differing:
         raise PatchIntegrityError(
             f"fsdp_precision refuses to patch torch {torch_version}: {len(differing)} of the "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_precision._base.errors import UnsupportedTorchError
-from fsdp_precision._base.sources import check_sources
+from fsdp_precision._base.sources import check_sources, source_differences
 from fsdp_precision._releases import SUPPORTED_RELEASES, release_module, torch_release
 
 __all__ = ["PatchStatus", "patch_status"]
@@ -39,7 +39,7 @@ class PatchStatus:
     @property
     def differing(self) -> tuple[str, ...]:
         """The functions whose sources differ, each as ``"target (why)"``."""
-        return tuple(f"{target} ({why})" for target, why in self.functions if why)
+        return tuple(source_differences(dict(self.functions)))
 
     @property
     def usable(self) -> bool:
