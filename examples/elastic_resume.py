@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import fsdp_precision as fp
 from fsdp_precision import checkpoint
-from fsdp_precision._train.checkpoint import metadata as _metadata  # the --kill-in-save seam
+from fsdp_precision._edges.checkpoint import metadata as _metadata  # the --kill-in-save seam
 from fsdp_precision.testing import TinyConfig, TinyDecoder
 
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"

@@ -11,6 +11,8 @@ One entry point for each way of calling ``fully_shard``:
 - units chosen for you: :func:`wrap_model_for_training` with a :class:`DistributedConfig`.
 
 Which parameters need more than bf16: :func:`advise` (and ``PrecisionRules(advice=...)``).
+The trained weights for an inference engine, unit by unit in the dtypes the plan kept:
+:func:`full_weights`.
 
 Checkpoints are in :mod:`fsdp_precision.checkpoint`, Hugging Face helpers in
 :mod:`fsdp_precision.hf`, framework seams in :mod:`fsdp_precision.integrations`, and what you
@@ -45,6 +47,7 @@ from fsdp_precision._base.errors import (
     UnsupportedTorchError,
 )
 from fsdp_precision._base.version import __version__
+from fsdp_precision._edges.stream import WeightMeta, WeightStream, full_weights
 from fsdp_precision._patch import (
     apply_param_dtype_map_patch,
     is_param_dtype_map_patch_applied,
@@ -87,12 +90,15 @@ __all__ = [
     "RankMismatchError",
     "UnitUsageError",
     "UnsupportedTorchError",
+    "WeightMeta",
+    "WeightStream",
     "__version__",
     "advise",
     "apply_param_dtype_map_patch",
     "auto_wrap_units",
     "compile_param_dtype_maps",
     "default_units",
+    "full_weights",
     "is_param_dtype_map_patch_applied",
     "make_grad_scaler",
     "model_policy",

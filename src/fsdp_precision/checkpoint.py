@@ -5,7 +5,10 @@
 >>> step = checkpoint.load_checkpoint("ckpt", model, optimizer)      # doctest: +SKIP
 
 ``"sharded"`` checkpoints (every rank writes its shards; loadable at another world size or mesh)
-and ``"full"`` ones (consolidated on rank 0; exportable to safetensors for ``from_pretrained``).
+and ``"full"`` ones (consolidated on rank 0). Exports for the model's own library
+(:func:`export_safetensors`: the transformers, Diffusers or PEFT layout, sharded, kept tensors in
+their kept dtype, one unit in memory at a time) and the kept tensors back after its loader
+rounded them (:func:`restore_kept`).
 Saves are atomic: a crash mid-save leaves the previous checkpoint loadable. Every tensor keeps
 its own dtype. A training run's checkpoints: :func:`save_step` (one per step, the last few
 kept) and :func:`resume_from_latest` (after a restart, e.g. ``torchrun --max-restarts``).
@@ -22,27 +25,39 @@ from fsdp_precision._base.errors import (
     CheckpointWriteError,
     StateDictMismatchError,
 )
-from fsdp_precision._train.checkpoint.atomic import METADATA_FILE
-from fsdp_precision._train.checkpoint.export import export_safetensors
-from fsdp_precision._train.checkpoint.metadata import read_checkpoint_metadata
-from fsdp_precision._train.checkpoint.rotate import (
+from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE
+from fsdp_precision._edges.checkpoint.metadata import read_checkpoint_metadata
+from fsdp_precision._edges.checkpoint.rotate import (
     latest_checkpoint,
     resume_from_latest,
     save_step,
 )
-from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
-from fsdp_precision._train.checkpoint.state import (
+from fsdp_precision._edges.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._edges.checkpoint.state import (
     StateDictType,
     load_model_state_dict,
     model_state_dict,
 )
+from fsdp_precision._edges.export import export_safetensors
+from fsdp_precision._edges.record import (
+    EXPORT_RECORD,
+    ExportRecord,
+    KeptTensor,
+    RecordedCast,
+    read_export_record,
+)
+from fsdp_precision._edges.restore import restore_kept
 
 __all__ = [
+    "EXPORT_RECORD",
     "METADATA_FILE",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointWriteError",
+    "ExportRecord",
+    "KeptTensor",
+    "RecordedCast",
     "StateDictMismatchError",
     "StateDictType",
     "export_safetensors",
@@ -51,6 +66,8 @@ __all__ = [
     "load_model_state_dict",
     "model_state_dict",
     "read_checkpoint_metadata",
+    "read_export_record",
+    "restore_kept",
     "resume_from_latest",
     "save_checkpoint",
     "save_step",

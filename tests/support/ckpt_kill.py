@@ -24,7 +24,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import fsdp_precision as fp
 from fsdp_precision import checkpoint as _checkpoint
 from fsdp_precision._base.dist import free_port as _free_port
-from fsdp_precision._train.checkpoint import metadata as _metadata
+from fsdp_precision._edges.checkpoint import metadata as _metadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 

@@ -8,6 +8,7 @@ import torch
 __all__ = [
     "MAPPABLE_DTYPES",
     "check_mappable_dtype",
+    "dtype_from_name",
     "dtype_name",
     "dtype_repr",
     "exact_upcast",
@@ -49,6 +50,12 @@ _REJECTED: dict[str, str] = {
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: tables and prose."""
     return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: object) -> torch.dtype | None:
+    """``"bfloat16"`` -> ``torch.bfloat16`` for the mappable dtypes; ``None`` for anything else
+    (what a file says is never looked up beyond them)."""
+    return next((d for d in MAPPABLE_DTYPES if dtype_name(d) == name), None)
 
 
 def dtype_repr(dtype: torch.dtype | None) -> str:

@@ -33,7 +33,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError, RankMismatchError
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import registry
-from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR
+from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR, tag_call
 from fsdp_precision._policy.agree import agree, call_record, checking
 from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
@@ -93,9 +93,10 @@ def init_param_group(
     for param_group in _new_param_groups(state, before, release):
         for fsdp_param in param_group.fsdp_params:
             setattr(fsdp_param, MAPPED_CALL_ATTR, True)
+            info = fsdp_param._module_info
+            dtype = resolved.by_slot.get((id(info.module), info.param_name))
+            tag_call(fsdp_param, mp_policy, dtype)  # for readers (export, hand-off)
             if not native:  # the patched machinery reads each parameter's mapped dtype
-                info = fsdp_param._module_info
-                dtype = resolved.by_slot.get((id(info.module), info.param_name))
                 setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
     _after_call(mp_policy, resolved, modules)
     _log_mapped(modules, resolved, "native override" if native else "mapped")

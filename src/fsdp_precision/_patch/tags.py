@@ -18,6 +18,8 @@ __all__ = [
     "in_mapped_call",
     "in_mapped_unit",
     "mapped_dtype",
+    "tag_call",
+    "tagged_call",
 ]
 
 #: FSDPParam attribute holding the mapped compute dtype (absent or None: unmapped).
@@ -27,6 +29,10 @@ MAPPED_UNIT_ATTR = "_fsdp_precision_unit"
 #: FSDPParam attribute set at construction on every parameter of a ``fully_shard`` call whose map
 #: resolved to at least one entry, whichever machinery (native override or patch) takes it.
 MAPPED_CALL_ATTR = "_fsdp_precision_call"
+#: FSDPParam attribute set at construction on every parameter of a mapped call, whichever
+#: machinery takes it: ``(the policy the call was given, the dtype its map resolved or None)``.
+#: Read by what inspects a wrapped model (``inspect``); never on the hot paths.
+CALL_ATTR = "_fsdp_precision_given"
 
 
 def mapped_dtype(fsdp_param: Any) -> torch.dtype | None:
@@ -42,3 +48,13 @@ def in_mapped_unit(fsdp_param: Any) -> bool:
 def in_mapped_call(fsdp_param: Any) -> bool:
     """Whether this ``FSDPParam`` belongs to a ``fully_shard`` call with mapped parameters."""
     return bool(getattr(fsdp_param, MAPPED_CALL_ATTR, False))
+
+
+def tag_call(fsdp_param: Any, policy: Any, dtype: torch.dtype | None) -> None:
+    """Record the policy a mapped call was given and this parameter's resolved dtype."""
+    setattr(fsdp_param, CALL_ATTR, (policy, dtype))
+
+
+def tagged_call(fsdp_param: Any) -> tuple[Any, torch.dtype | None] | None:
+    """``(policy given, resolved dtype)`` for a parameter of a mapped call, or None."""
+    return getattr(fsdp_param, CALL_ATTR, None)

@@ -17,6 +17,7 @@ from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan.claims import fqns_by_param
 from fsdp_precision._plan.compile import UnknownTorch, compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.records import kept_reasons
 from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
@@ -90,6 +91,7 @@ def model_policy(
             entries=entries,
             modules=weakref.WeakSet(model.modules()),
             casts={id(model.get_submodule(f)): (f, c) for f, c in casts.items()},
+            reasons=kept_reasons(plan.units[0].params, mapped),
         ),
     )
 

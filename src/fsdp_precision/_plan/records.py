@@ -8,7 +8,7 @@ counts in :mod:`fsdp_precision._plan.cost`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from fsdp_precision._plan.rules import AnyRule, rule_label
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 
-__all__ = ["PlannedParam", "PlannedUnit", "RuleClaims"]
+__all__ = ["PlannedParam", "PlannedUnit", "RuleClaims", "kept_reasons"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,17 @@ class RuleClaims:
     rule: AnyRule
     fqns: tuple[str, ...]
     declared: bool
+
+
+def kept_reasons(
+    params: Iterable[PlannedParam], mapped: Mapping[str, torch.dtype]
+) -> dict[str, str]:
+    """Why each mapped parameter is kept, by every name (aliases too): the label of the rule or
+    declaration that claimed it, or its storage dtype where a unit mixing storage dtypes maps it."""
+    reasons: dict[str, str] = {}
+    for p in params:
+        if p.fqn not in mapped:
+            continue
+        why = rule_label(p.claimed_by) if p.claimed_by is not None else f"stored in {p.storage}"
+        reasons.update(dict.fromkeys((p.fqn, *p.aliases), why))
+    return reasons

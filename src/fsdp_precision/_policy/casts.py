@@ -29,6 +29,7 @@ __all__ = [
     "ModuleCast",
     "cast_for",
     "install_cast",
+    "installed_back",
     "installed_cast",
     "resolve_casts",
 ]
@@ -143,6 +144,13 @@ def installed_cast(module: nn.Module) -> ModuleCast | None:
     """The cast installed on ``module``, or None."""
     hooks = getattr(module, _ATTR, None)
     return hooks.cast if isinstance(hooks, _Hooks) else None
+
+
+def installed_back(module: nn.Module) -> torch.dtype | None:
+    """The dtype the installed cast returns outputs in (None: the dtype they came in, or no
+    cast)."""
+    hooks = getattr(module, _ATTR, None)
+    return hooks.back if isinstance(hooks, _Hooks) else None
 
 
 def incoming_dtype(module: nn.Module) -> torch.dtype | None:

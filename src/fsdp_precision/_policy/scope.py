@@ -16,7 +16,8 @@ from __future__ import annotations
 import difflib
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,9 @@ class ModelScope:
         casts: ``id(module) -> (root-relative FQN, cast)`` of every module whose boundary the
             calls cast (the first call that includes the module installs the hooks). (Default:
             none)
+        reasons: Root-relative FQN -> why it is kept (the rule or declaration that claimed it,
+            as ``PrecisionPlan.explain()`` names it), for the records exports write. (Default:
+            none)
     """
 
     root: int
@@ -55,6 +59,7 @@ class ModelScope:
     modules: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     resolved: set[str] = field(default_factory=set)
     casts: Mapping[int, tuple[str, ModuleCast]] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def fqns(self) -> set[str]:
@@ -79,9 +84,37 @@ class ModelScopedPolicy(ParamDtypeMixedPrecisionPolicy):
 
     ``param_dtype_map`` shows the entries root-relative (for reading); each call resolves them by
     slot (``scope``), not by key.
+
+    Frameworks keep the policy in what they serialise (the HF Trainer ``torch.save``s its
+    arguments into every checkpoint, ``training_args.bin``; Lightning pickles hyperparameters):
+    pickled, it is written as the plain :class:`ParamDtypeMixedPrecisionPolicy` it reads as
+    (dtypes, root-relative map, boundary casts), a record of the run that needs no model to load.
+    The live object stays in force: a copy (``copy.copy``/``copy.deepcopy``, which frameworks
+    make of their arguments) is the policy itself, whose scope tracks what every call resolved.
     """
 
     scope: ModelScope | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        record = {
+            f.name: getattr(self, f.name)
+            for f in fields(ParamDtypeMixedPrecisionPolicy)
+            if f.name != "param_dtype_override_fn"  # a 2.15 callable; this policy sets none
+        }
+        record["param_dtype_map"] = dict(self.param_dtype_map or {})
+        record["module_casts"] = dict(self.module_casts or {})
+        return (_plain_policy, (record,))
+
+    def __copy__(self) -> ModelScopedPolicy:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelScopedPolicy:
+        return self
+
+
+def _plain_policy(record: dict[str, Any]) -> ParamDtypeMixedPrecisionPolicy:
+    """What a pickled :class:`ModelScopedPolicy` loads as (module-level: pickle finds it)."""
+    return ParamDtypeMixedPrecisionPolicy(**record)
 
 
 def resolve_by_slot(

@@ -33,13 +33,13 @@ from fsdp_precision._base.dist import gather_across_ranks
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._cli.demo.results import ResumeResult, TrainResult, UnitGathers
+from fsdp_precision._edges.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._edges.checkpoint.state import model_state_dict
 from fsdp_precision._observe.collectives import CollectiveRecorder
 from fsdp_precision._observe.gathers import GatherProbe
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.separate import wrap_separate_units
 from fsdp_precision._plan.units import block_class_names
-from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
-from fsdp_precision._train.checkpoint.state import model_state_dict
 from fsdp_precision._train.config import DistributedConfig
 from fsdp_precision._train.wrap import wrap_model_for_training
 from fsdp_precision._verify.compare import same_bits

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import CheckpointError, StateDictMismatchError
-from fsdp_precision._train.checkpoint.collective import (
+from fsdp_precision._edges.checkpoint.collective import (
     distributed,
     from_rank0,
     raise_collectively,

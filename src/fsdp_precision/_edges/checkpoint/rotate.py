@@ -29,11 +29,11 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._base.errors import CheckpointError
-from fsdp_precision._train.checkpoint.atomic import recover
-from fsdp_precision._train.checkpoint.collective import barrier, from_rank0, rank_world
-from fsdp_precision._train.checkpoint.metadata import read_metadata
-from fsdp_precision._train.checkpoint.save_load import load_checkpoint, save_checkpoint
-from fsdp_precision._train.checkpoint.state import StateDictType
+from fsdp_precision._edges.checkpoint.atomic import recover
+from fsdp_precision._edges.checkpoint.collective import barrier, from_rank0, rank_world
+from fsdp_precision._edges.checkpoint.metadata import read_metadata
+from fsdp_precision._edges.checkpoint.save_load import load_checkpoint, save_checkpoint
+from fsdp_precision._edges.checkpoint.state import StateDictType
 
 __all__ = ["latest_checkpoint", "resume_from_latest", "save_step", "step_checkpoints"]
 

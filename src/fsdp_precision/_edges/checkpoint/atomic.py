@@ -47,16 +47,17 @@ def _siblings(target: Path, tag: str) -> list[Path]:
         ) from err
 
 
-def _complete(path: Path) -> bool:
-    return (path / METADATA_FILE).is_file()
+def _complete(path: Path, marker: str = METADATA_FILE) -> bool:
+    return (path / marker).is_file()
 
 
-def recover(target: Path) -> Path:
+def recover(target: Path, marker: str = METADATA_FILE) -> Path:
     """``target``, or the complete copy an interrupted save left next to it.
 
     The save protocol can only leave ``target`` missing between its two renames; then both the
     previous checkpoint (``<dir>.old-<id>``) and the new one (``<dir>.tmp-<id>``, complete) exist.
     The new one is used. Raises :class:`CheckpointNotFoundError` when there is neither.
+    ``marker``: the file whose presence marks a directory complete (an export's record).
     """
     if target.is_dir():
         return target
@@ -66,9 +67,9 @@ def recover(target: Path) -> Path:
             "given to save_checkpoint()"
         )
     for tag in ("tmp", "old"):
-        complete = [p for p in _siblings(target, tag) if _complete(p)]
+        complete = [p for p in _siblings(target, tag) if _complete(p, marker)]
         if complete:
-            chosen = max(complete, key=lambda p: (p / METADATA_FILE).stat().st_mtime)
+            chosen = max(complete, key=lambda p: (p / marker).stat().st_mtime)
             logger.warning(
                 "checkpoint %s is missing; using %s left complete by an interrupted save",
                 target,
@@ -92,22 +93,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _refuse_foreign(target: Path) -> None:
+def _refuse_foreign(target: Path, marker: str, what: str) -> None:
     """Refuse to replace (and so delete) a path this library did not write."""
     if target.is_dir() and not target.is_symlink():
-        if _complete(target) or not any(target.iterdir()):
+        if _complete(target, marker) or not any(target.iterdir()):
             return
-        reason = f"a non-empty directory without {METADATA_FILE}"
+        reason = f"a non-empty directory without {marker}"
     else:
         reason = "a file" if target.is_file() else "not a directory"
     raise CheckpointWriteError(
-        f"'{target}' exists and is not an fsdp_precision checkpoint ({reason}); save_checkpoint "
-        "replaces the directory it is given and will not delete one it did not write: pass a "
-        f"new or empty directory, or remove '{target}' first"
+        f"'{target}' exists and is not an fsdp_precision {what} ({reason}); the {what} replaces "
+        "the directory it is given and will not delete one it did not write: pass a new or "
+        f"empty directory, or remove '{target}' first"
     )
 
 
-def prepare_target(target: Path) -> Path:
+def prepare_target(target: Path, marker: str = METADATA_FILE, what: str = "checkpoint") -> Path:
     """Rank 0, before a save: finish or clean up what an interrupted save left behind, and create
     the new sibling ``<target>.tmp-<id>``; return it.
 
@@ -122,11 +123,11 @@ def prepare_target(target: Path) -> Path:
             "checkpoint_dir whose parent is (or can be made) a writable directory"
         ) from err
     if target.exists() or target.is_symlink():
-        _refuse_foreign(target)
+        _refuse_foreign(target, marker, what)
     try:
         if not target.exists():
             try:
-                recovered: Path | None = recover(target)
+                recovered: Path | None = recover(target, marker)
             except CheckpointError:
                 recovered = None
             if recovered is not None:
@@ -141,8 +142,8 @@ def prepare_target(target: Path) -> Path:
         tmp.mkdir()
     except OSError as err:
         raise CheckpointWriteError(
-            f"cannot prepare checkpoint '{target}': {err}; pass a checkpoint_dir in a writable "
-            "directory with free space"
+            f"cannot prepare {what} '{target}': {err}; pass a directory in a writable place "
+            "with free space"
         ) from err
     return tmp
 

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_precision._base.errors import CheckpointNotFoundError, CheckpointReadError
 from fsdp_precision._base.version import __version__
-from fsdp_precision._train.checkpoint.atomic import METADATA_FILE, recover, write_json
-from fsdp_precision._train.checkpoint.state import StateDictType
+from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE, recover, write_json
+from fsdp_precision._edges.checkpoint.state import StateDictType
 
 __all__ = [
     "MODEL",
@@ -83,10 +83,16 @@ def write_metadata(
     *,
     has_optimizer: bool,
     extra: Mapping[str, Any] | None = None,
+    precision: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write the marker that completes the checkpoint directory ``path`` (atomically, last)."""
+    """Write the marker that completes the checkpoint directory ``path`` (atomically, last).
+
+    ``precision``: the model's layout, bulk dtype, kept tensors and boundary casts
+    (:func:`fsdp_precision._edges.record.precision_record`), for exports made from the
+    directory alone."""
     meta = {
         "extra": dict(extra or {}),
+        "precision": dict(precision or {}),
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
         "state_dict_type": kind,

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
-from fsdp_precision._train.checkpoint import metadata as _metadata
-from fsdp_precision._train.checkpoint.atomic import prepare_target, recover, swap_into_place
-from fsdp_precision._train.checkpoint.collective import (
+from fsdp_precision._edges.checkpoint import metadata as _metadata
+from fsdp_precision._edges.checkpoint.atomic import prepare_target, recover, swap_into_place
+from fsdp_precision._edges.checkpoint.collective import (
     CheckpointException,
     describe,
     from_rank0,
@@ -32,13 +32,15 @@ from fsdp_precision._train.checkpoint.collective import (
     rank_world,
     single_process,
 )
-from fsdp_precision._train.checkpoint.metadata import MODEL, OPTIM, read_metadata, saved_tensors
-from fsdp_precision._train.checkpoint.state import (
+from fsdp_precision._edges.checkpoint.metadata import MODEL, OPTIM, read_metadata, saved_tensors
+from fsdp_precision._edges.checkpoint.state import (
     StateDictType,
     check_type,
     mismatch_error,
     model_shapes,
 )
+from fsdp_precision._edges.layouts import layout_for
+from fsdp_precision._edges.record import precision_record
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -68,9 +70,10 @@ def save_checkpoint(
     written, rank 0 renames the previous checkpoint to ``<dir>.old-<id>``, the new one to
     ``<dir>``, and deletes the old one. A crash at any point leaves the previous or the new
     checkpoint loadable, never a partial one. Metadata (step, type, world size, torch and library
-    versions, and ``extra``: rank 0's JSON-serialisable data, e.g. the loss history) goes to
-    ``METADATA_FILE``, written last. A model with a Hugging Face ``config`` also
-    gets its ``config.json``.
+    versions, the model's kept tensors and boundary casts, and ``extra``: rank 0's
+    JSON-serialisable data, e.g. the loss history) goes to ``METADATA_FILE``, written last. A
+    transformers or Diffusers model also gets its ``config.json``, so that
+    :func:`export_safetensors` can lay the checkpoint out offline.
 
     Raises :class:`CheckpointError` for a bad ``state_dict_type`` or ``step``, and
     :class:`CheckpointWriteError` on every rank when anything cannot be written, or when
@@ -100,11 +103,17 @@ def save_checkpoint(
     error = _write_state(tmp, model, optimizer, kind)
     if rank == 0 and error is None:
         try:
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(tmp)
+            layout = layout_for(model)
+            base = model.get_base_model() if layout.name == "peft" else model  # type: ignore[operator]
+            layout_for(base).save_config(tmp, None)  # the model's config, for offline exports
             _metadata.write_metadata(
-                tmp, kind, step, world, has_optimizer=optimizer is not None, extra=extra
+                tmp,
+                kind,
+                step,
+                world,
+                has_optimizer=optimizer is not None,
+                extra=extra,
+                precision=precision_record(model, layout.name),
             )
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)

@@ -1,0 +1,164 @@
+"""A checkpoint directory as a weight stream, without the model: what an export reads offline.
+
+Names, shapes and storage dtypes come from DCP's metadata; which tensors training kept in which
+dtype, the layout and the boundary casts from the marker ``save_checkpoint`` wrote (its
+``precision`` field). One numbered block at a time is read (DCP loads only the keys asked for).
+A transformers checkpoint's names are converted to the Hub's with transformers' own reversal, on
+the model built from its ``config.json`` on the meta device (no weights, no remote code).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from fsdp_precision._base.dtypes import dtype_from_name
+from fsdp_precision._base.errors import CheckpointError, CheckpointReadError
+from fsdp_precision._edges.checkpoint.collective import (
+    CheckpointException,
+    describe,
+    single_process,
+)
+from fsdp_precision._edges.checkpoint.metadata import MODEL, read_metadata, saved_tensors
+from fsdp_precision._edges.entries import Dtype, WeightEntry
+from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
+from fsdp_precision._edges.record import RecordedCast, parse_casts
+from fsdp_precision._edges.stream import WeightStream, plan_stream
+
+__all__ = ["checkpoint_stream"]
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def _natural(name: str) -> list[Any]:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+def checkpoint_stream(
+    path: Path, dtype: Dtype, layout: LayoutName
+) -> tuple[WeightStream, Layout, tuple[RecordedCast, ...]]:
+    """The stream of checkpoint ``path``'s model tensors, its layout and recorded casts."""
+    meta = read_metadata(path)
+    precision = meta.get("precision") or {}
+    kept = precision.get("kept")
+    if kept is None and dtype != "stored":
+        raise CheckpointError(
+            f"checkpoint '{path}' records no kept dtypes (written before fsdp-precision 0.3), "
+            f"so dtype={dtype!r} could round a kept router or norm; export it with "
+            "dtype='stored', or export the loaded model"
+        )
+    kept = kept or {}
+    saved = saved_tensors(path, MODEL)
+    bulk = dtype_from_name(precision.get("bulk")) or _most_common(saved)
+    entries = []
+    for name in sorted(saved, key=_natural):
+        shape, storage = saved[name]
+        found = kept.get(name)
+        compute = storage
+        if isinstance(found, dict) and dtype_from_name(found.get("dtype")) is not None:
+            compute = dtype_from_name(found.get("dtype"))  # type: ignore[assignment]
+        elif storage.is_floating_point:
+            compute = bulk
+        match = _NUMBERED.match(name)
+        entries.append(
+            WeightEntry(
+                name=name,
+                tensor=torch.empty(shape, dtype=storage, device="meta"),
+                shape=shape,
+                storage=storage,
+                compute=compute,
+                group=match.group(1) if match else "",
+                kept=str(found.get("reason")) if isinstance(found, dict) else None,
+            )
+        )
+    chosen = _layout(path, precision.get("layout"), layout)
+    casts = parse_casts(precision.get("casts", {}), str(path))
+
+    def fetch(
+        group: Sequence[WeightEntry], dtypes: Sequence[torch.dtype]
+    ) -> dict[str, torch.Tensor]:
+        template = {e.name: torch.empty(e.shape, dtype=e.storage) for e in group}
+        try:
+            with single_process():
+                dcp_load({MODEL: template}, checkpoint_id=path, no_dist=True)
+        except (OSError, CheckpointException) as err:
+            raise CheckpointReadError(
+                f"cannot read the model tensors of checkpoint '{path}' ({describe(err)}); a "
+                "file of the checkpoint is missing or damaged: export an earlier checkpoint"
+            ) from err
+        return {n: t.to(d) for (n, t), d in zip(template.items(), dtypes, strict=True)}
+
+    stream = plan_stream(entries, bulk, dtype=dtype, cast_kept=False, layout=chosen, fetch=fetch)
+    return stream, chosen, casts
+
+
+def _most_common(saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.dtype:
+    counts: Counter[torch.dtype] = Counter()
+    for shape, dtype in saved.values():
+        if dtype.is_floating_point:
+            counts[dtype] += int(torch.Size(shape).numel())
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _layout(path: Path, recorded: object, asked: LayoutName) -> Layout:
+    """The layout of an offline export: asked for, else recorded, else guessed from the config."""
+    config = path / "config.json"
+    name = asked if asked != "auto" else recorded
+    if name is None:
+        name = "plain"
+        if config.is_file():
+            text = config.read_text()
+            name = "diffusers" if '"_class_name"' in text else "transformers"
+    if name == "plain":
+        return layout_for(torch.nn.Module(), "plain")
+    if name == "diffusers":
+        return _copied_config("diffusers", "diffusion_pytorch_model.safetensors", config)
+    if name == "transformers":
+        return layout_for(_meta_model(path), "transformers")
+    raise CheckpointError(
+        f"checkpoint '{path}' holds a {name!r} model, which an offline export cannot lay out; "
+        "export the loaded model instead (export_safetensors(model, ...), collective), or pass "
+        "layout='plain'"
+    )
+
+
+def _copied_config(name: str, weights: str, config: Path) -> Layout:
+    def save(out: Path, dtype: torch.dtype | None) -> list[str]:
+        if not config.is_file():
+            return []
+        shutil.copyfile(config, out / "config.json")
+        return ["config.json"]
+
+    return Layout(name, weights, lambda group: group, save)
+
+
+def _meta_model(path: Path) -> torch.nn.Module:
+    """The transformers model of ``path/config.json``, on meta (its class, never remote code)."""
+    try:  # lazy: an optional dependency
+        import transformers
+    except ImportError as exc:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds a transformers model; its export needs transformers: "
+            "pip install 'fsdp-precision[hf]' (or pass layout='plain')"
+        ) from exc
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        architecture = (getattr(config, "architectures", None) or [None])[0]
+        cls = getattr(transformers, str(architecture), None)
+        if cls is None:
+            raise ValueError(f"architectures={getattr(config, 'architectures', None)!r}")
+        with torch.device("meta"):
+            return cls._from_config(config)  # type: ignore[no-any-return]
+    except Exception as err:  # noqa: BLE001 - any failure: the config cannot say the model
+        raise CheckpointError(
+            f"cannot build the model of checkpoint '{path}' from its config.json ({err!r}); "
+            "export the loaded model instead (export_safetensors(model, ...)), or pass "
+            "layout='plain'"
+        ) from err
