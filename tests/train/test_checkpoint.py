@@ -567,7 +567,7 @@ LOCAL_ERRORS: list[tuple[str, Any, Any, type[Exception], type[BaseException] | N
         CheckpointWriteError,
         FileExistsError,
         r"cannot create '.*ck/fsdp_precision_checkpoint\.json', the parent of checkpoint "
-        r"'.*/ck': \[Errno 17\] File exists: .*; pass a checkpoint_dir whose parent is \(or can "
+        r"'.*/ck': \[Errno 17\] File exists: .*; pass a directory whose parent is \(or can "
         r"be made\) a writable directory",
     ),
     (
@@ -669,9 +669,10 @@ LOCAL_ERRORS: list[tuple[str, Any, Any, type[Exception], type[BaseException] | N
         None,
         lambda p: export(linear()[0], p / METADATA_FILE / "out"),
         CheckpointWriteError,
-        NotADirectoryError,
-        r"cannot write '.*/ck/fsdp_precision_checkpoint\.json/out/model\.safetensors' "
-        r"\(NotADirectoryError\(20, 'Not a directory'\)\); pass an out_dir that is \(or can be made\)",
+        FileExistsError,
+        r"cannot create '.*/ck/fsdp_precision_checkpoint\.json', the parent of export "
+        r"'.*/ck/fsdp_precision_checkpoint\.json/out': \[Errno 17\] File exists: .*; pass a "
+        r"directory whose parent is \(or can be made\) a writable directory",
     ),
     (
         "export without a data file",

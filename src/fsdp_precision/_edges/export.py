@@ -7,6 +7,7 @@ directory (local). Rank 0's peak memory is about one unit plus one output file.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from collections import Counter
@@ -82,17 +83,19 @@ def export_safetensors(
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise ValueError(f"step={step!r} is not an int; pass the training step, or None")
     out = Path(out_dir).absolute()
+    _require(out)
     if isinstance(source, nn.Module):
         chosen = layout_for(source, layout)  # a bad layout fails here, before any collective
         stream = full_weights(source, dtype=dtype, ranks="rank0", device="cpu", layout=layout)
-        return _write(stream, chosen, recorded_casts(source), out, dtype, size, step)
+        casts = recorded_casts(source)
+        return _write(stream, chosen, casts, out, dtype, size, step, collective=True)
     if not isinstance(source, (str, os.PathLike)):
         raise CheckpointError(
             f"export_safetensors source is a {type(source).__name__}; pass an nn.Module or the "
             "directory of a checkpoint written by save_checkpoint()"
         )
     stream, chosen, casts = checkpoint_stream(recover(Path(source).absolute()), dtype, layout)
-    return _write(stream, chosen, casts, out, dtype, size, step)
+    return _write(stream, chosen, casts, out, dtype, size, step, collective=False)
 
 
 def _write(
@@ -103,10 +106,14 @@ def _write(
     dtype: Dtype,
     size: int,
     step: int | None,
+    *,
+    collective: bool,
 ) -> Path:
     """Every rank iterates ``stream``; rank 0 writes. The first error is raised on every rank
-    after the stream ended (no rank leaves a gather the others are in)."""
-    rank = rank_world()[0]
+    after the stream ended (no rank leaves a gather the others are in). Not ``collective``:
+    this process alone reads and writes."""
+    rank = rank_world()[0] if collective else 0
+    share = from_rank0 if collective else _same
     error: BaseException | None = None
     tmp: Path | None = None
     writer: ShardWriter | None = None
@@ -121,7 +128,7 @@ def _write(
             writer = ShardWriter(tmp, plan)
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(out, err)
-    error = from_rank0(error)
+    error = share(error)
     if error is not None:
         raise error
     for group in stream.groups():
@@ -155,10 +162,26 @@ def _write(
             error = _write_error(out, err)
     if rank == 0 and error is not None and tmp is not None and tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)  # our own partial export
-    error = from_rank0(error)
+    error = share(error)
     if error is not None:
         raise error
     return out / entry
+
+
+def _require(out: Path) -> None:
+    """The packages an export writes with, before anything is read or written."""
+    for package in ("safetensors.torch", "huggingface_hub"):
+        try:
+            importlib.import_module(package)
+        except ImportError as exc:
+            raise CheckpointError(
+                f"export_safetensors to '{out}' needs the {package.split('.')[0]} package, "
+                "which is not installed; pip install 'fsdp-precision[hf]'"
+            ) from exc
+
+
+def _same(value: BaseException | None) -> BaseException | None:
+    return value
 
 
 def _most_common(stream: WeightStream) -> torch.dtype | None:

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 METADATA_FILE = "fsdp_precision_checkpoint.json"
 
 
+#: What writes each kind of directory (for messages).
+_VERBS = {"checkpoint": "save_checkpoint", "export": "export_safetensors"}
+
+
 def _siblings(target: Path, tag: str) -> list[Path]:
     if not target.parent.is_dir():
         return []
@@ -102,9 +106,9 @@ def _refuse_foreign(target: Path, marker: str, what: str) -> None:
     else:
         reason = "a file" if target.is_file() else "not a directory"
     raise CheckpointWriteError(
-        f"'{target}' exists and is not an fsdp_precision {what} ({reason}); the {what} replaces "
-        "the directory it is given and will not delete one it did not write: pass a new or "
-        f"empty directory, or remove '{target}' first"
+        f"'{target}' exists and is not an fsdp_precision {what} ({reason}); {_VERBS[what]} "
+        "replaces the directory it is given and will not delete one it did not write: pass a "
+        f"new or empty directory, or remove '{target}' first"
     )
 
 
@@ -119,8 +123,8 @@ def prepare_target(target: Path, marker: str = METADATA_FILE, what: str = "check
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CheckpointWriteError(
-            f"cannot create '{target.parent}', the parent of checkpoint '{target}': {err}; pass a "
-            "checkpoint_dir whose parent is (or can be made) a writable directory"
+            f"cannot create '{target.parent}', the parent of {what} '{target}': {err}; pass a "
+            "directory whose parent is (or can be made) a writable directory"
         ) from err
     if target.exists() or target.is_symlink():
         _refuse_foreign(target, marker, what)
