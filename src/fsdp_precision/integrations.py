@@ -19,6 +19,9 @@ What this module adds is the three seams that are not obvious (docs/integrations
 * :func:`accelerate_fsdp2_on_cpu`: accelerate enables FSDP only for accelerator device types and
   silently falls back to DDP on a CPU-only machine; this turns the FSDP2 plugin back on, for
   CPU (gloo) tests and development boxes.
+* :func:`last_complete_checkpoint`: the Trainer's save is not atomic, and
+  ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` by name, half-written or not;
+  this returns the newest one the Trainer finished (its ``trainer_state.json`` is written last).
 
 Only public attributes of accelerate's state are set; the package is imported lazily.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 from fsdp_precision._train.integrations import (
     accelerate_fsdp2_on_cpu,
     cpu_fsdp2_trainer,
+    last_complete_checkpoint,
     trainer_fsdp_policy,
 )
 from fsdp_precision._train.transformers_native import transformers_native_fsdp
@@ -35,6 +39,7 @@ from fsdp_precision._train.transformers_native import transformers_native_fsdp
 __all__ = [
     "accelerate_fsdp2_on_cpu",
     "cpu_fsdp2_trainer",
+    "last_complete_checkpoint",
     "trainer_fsdp_policy",
     "transformers_native_fsdp",
 ]

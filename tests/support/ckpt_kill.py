@@ -28,7 +28,7 @@ from fsdp_precision._edges.checkpoint import metadata as _metadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from tests.train.test_checkpoint import full_state, make, train  # noqa: E402
+from tests.edges.test_checkpoint import full_state, make, train  # noqa: E402
 
 
 def die() -> None:
@@ -65,7 +65,7 @@ def install(point: str) -> None:
 
 def verify(directory: Path, survivor: int) -> None:
     """Load what the killed save left, compare bitwise, then save again (which cleans up)."""
-    from tests.train.test_checkpoint import assert_bitwise
+    from tests.edges.test_checkpoint import assert_bitwise
 
     model, opt = make(7)
     meta = _checkpoint.load_checkpoint(directory / "ckpt", model, opt)

@@ -225,3 +225,20 @@ ARCHS = {
     "rwkv": Arch("rwkv", rwkv, lm_inputs, fp16, ("time_decay", "time_first")),
     "afmoe": Arch("afmoe", afmoe, lm_inputs, fp16, ("norm.weight", "expert_bias")),
 }
+
+
+def tiny_qwen3_moe(dtype: torch.dtype = fp32, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A Qwen3-MoE at a tiny size (fused experts in transformers 5), seeded, built in ``dtype``
+    as ``from_pretrained(dtype=...)`` builds it (fp32 rotary frequencies whatever the dtype)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        **{
+            "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "max_position_embeddings": 64, **overrides,
+        }
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -116,13 +116,15 @@ def weight_entries(model: nn.Module) -> tuple[list[WeightEntry], torch.dtype]:
     if isinstance(model, DistributedDataParallel):  # names as DCP's: without ``module.``
         model = model.module
     managed = managed_params(model)
-    owners = _owners(model)
     units = _unit_prefixes(model)
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or ())
     raw: list[tuple[str, torch.Tensor]] = []
     for key, tensor in model.state_dict(keep_vars=True).items():
         if isinstance(tensor, torch.Tensor):
             raw.append((strip_wrappers(key), tensor))
+    # After state_dict(): FSDP2's state-dict hook re-registers a unit's sharded parameters, and a
+    # unit left unsharded (the root after a no-grad forward) held its unsharded ones until then.
+    owners = _owners(model)
     # Tied aliases once: transformers' declared source name, else the first one.
     names_of: dict[int, list[str]] = {}
     for name, tensor in raw:

@@ -31,10 +31,8 @@ from fsdp_precision._edges.offline import checkpoint_stream
 from fsdp_precision._edges.record import (
     EXPORT_RECORD,
     ExportRecord,
-    RecordedCast,
     kept_tensors,
     read_export_record,
-    recorded_casts,
 )
 from fsdp_precision._edges.shards import ShardWriter, check_shard_size, plan_shards
 from fsdp_precision._edges.stream import WeightStream, full_weights
@@ -87,21 +85,19 @@ def export_safetensors(
     if isinstance(source, nn.Module):
         chosen = layout_for(source, layout)  # a bad layout fails here, before any collective
         stream = full_weights(source, dtype=dtype, ranks="rank0", device="cpu", layout=layout)
-        casts = recorded_casts(source)
-        return _write(stream, chosen, casts, out, dtype, size, step, collective=True)
+        return _write(stream, chosen, out, dtype, size, step, collective=True)
     if not isinstance(source, (str, os.PathLike)):
         raise CheckpointError(
             f"export_safetensors source is a {type(source).__name__}; pass an nn.Module or the "
             "directory of a checkpoint written by save_checkpoint()"
         )
-    stream, chosen, casts = checkpoint_stream(recover(Path(source).absolute()), dtype, layout)
-    return _write(stream, chosen, casts, out, dtype, size, step, collective=False)
+    stream, chosen = checkpoint_stream(recover(Path(source).absolute()), dtype, layout)
+    return _write(stream, chosen, out, dtype, size, step, collective=False)
 
 
 def _write(
     stream: WeightStream,
     layout: Layout,
-    casts: tuple[RecordedCast, ...],
     out: Path,
     dtype: Dtype,
     size: int,
@@ -152,7 +148,7 @@ def _write(
                 tensors=len(stream),
                 nbytes=stream.nbytes,
                 kept=kept_tensors(stream.metadata),
-                casts=casts,
+                casts=stream.casts,
                 step=step,
             )
             _carry_foreign(out, tmp, files)

@@ -29,7 +29,7 @@ from fsdp_precision._edges.checkpoint.collective import (
 from fsdp_precision._edges.checkpoint.metadata import MODEL, read_metadata, saved_tensors
 from fsdp_precision._edges.entries import Dtype, WeightEntry
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
-from fsdp_precision._edges.record import RecordedCast, parse_casts
+from fsdp_precision._edges.record import parse_casts
 from fsdp_precision._edges.stream import WeightStream, plan_stream
 
 __all__ = ["checkpoint_stream"]
@@ -41,10 +41,8 @@ def _natural(name: str) -> list[Any]:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
-def checkpoint_stream(
-    path: Path, dtype: Dtype, layout: LayoutName
-) -> tuple[WeightStream, Layout, tuple[RecordedCast, ...]]:
-    """The stream of checkpoint ``path``'s model tensors, its layout and recorded casts."""
+def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[WeightStream, Layout]:
+    """The stream of checkpoint ``path``'s model tensors (with its recorded casts), its layout."""
     meta = read_metadata(path)
     precision = meta.get("precision") or {}
     kept = precision.get("kept")
@@ -79,7 +77,6 @@ def checkpoint_stream(
             )
         )
     chosen = _layout(path, precision.get("layout"), layout)
-    casts = parse_casts(precision.get("casts", {}), str(path))
 
     def fetch(
         group: Sequence[WeightEntry], dtypes: Sequence[torch.dtype]
@@ -96,7 +93,8 @@ def checkpoint_stream(
         return {n: t.to(d) for (n, t), d in zip(template.items(), dtypes, strict=True)}
 
     stream = plan_stream(entries, bulk, dtype=dtype, cast_kept=False, layout=chosen, fetch=fetch)
-    return stream, chosen, casts
+    stream.casts = parse_casts(precision.get("casts", {}), str(path))
+    return stream, chosen
 
 
 def _most_common(saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.dtype:

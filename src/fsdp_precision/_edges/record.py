@@ -22,13 +22,19 @@ from fsdp_precision._base.dtypes import dtype_from_name, dtype_name, optional_na
 from fsdp_precision._base.errors import CheckpointNotFoundError, CheckpointReadError
 from fsdp_precision._base.version import __version__
 from fsdp_precision._edges.entries import strip_wrappers, weight_entries
-from fsdp_precision._policy.casts import ModuleCast, installed_back, installed_cast
+from fsdp_precision._policy.casts import (
+    ModuleCast,
+    install_cast,
+    installed_back,
+    installed_cast,
+)
 
 __all__ = [
     "EXPORT_RECORD",
     "ExportRecord",
     "KeptTensor",
     "RecordedCast",
+    "install_casts",
     "kept_tensors",
     "parse_casts",
     "precision_record",
@@ -219,6 +225,20 @@ def _cast(module: str, entry: object, bad: Any) -> RecordedCast:
 def kept_tensors(metadata: Sequence[Any]) -> tuple[KeptTensor, ...]:
     """The kept entries of a stream's metadata (``WeightMeta``)."""
     return tuple(KeptTensor(m.name, m.dtype, str(m.kept), m.param) for m in metadata if m.kept)
+
+
+def install_casts(model: nn.Module, casts: Sequence[RecordedCast]) -> list[str]:
+    """Install ``casts`` on ``model``'s modules of the same names (wrapper segments ignored);
+    the names of those that got one. Modules that cast already, or that ``model`` lacks, are
+    left alone."""
+    modules = {strip_wrappers(n): m for n, m in model.named_modules()}
+    done = []
+    for recorded in casts:
+        target = modules.get(strip_wrappers(recorded.module))
+        if target is not None and installed_cast(target) is None:
+            install_cast(target, recorded.cast, recorded.back)
+            done.append(recorded.module)
+    return done
 
 
 def recorded_casts(model: nn.Module) -> tuple[RecordedCast, ...]:

@@ -19,8 +19,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError
 from fsdp_precision._edges.entries import strip_wrappers
-from fsdp_precision._edges.record import ExportRecord, KeptTensor, read_export_record
-from fsdp_precision._policy.casts import install_cast, installed_cast
+from fsdp_precision._edges.record import (
+    ExportRecord,
+    KeptTensor,
+    install_casts,
+    read_export_record,
+)
 
 __all__ = ["restore_kept"]
 
@@ -66,8 +70,6 @@ def restore_kept(
                 f"{tuple(values[kept.name].shape)}, the model's {kept.param!r} "
                 f"{tuple(current.shape)}: load the export with the model it was written from"
             )
-    modules = dict(model.named_modules())
-    wanted = [c for c in record.casts if casts and strip_wrappers(c.module) in _stripped(modules)]
     with torch.no_grad():
         for kept in restorable:
             module, attr, current = slots[str(kept.param)]
@@ -76,15 +78,9 @@ def restore_kept(
                 current.data = value  # the same Parameter: tied aliases and references follow
             else:
                 module._buffers[attr] = value
-    for recorded in wanted:
-        target = _stripped(modules)[strip_wrappers(recorded.module)]
-        if installed_cast(target) is None:
-            install_cast(target, recorded.cast, recorded.back)
+    if casts:
+        install_casts(model, record.casts)
     return [str(k.param) for k in restorable]
-
-
-def _stripped(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    return {strip_wrappers(name): module for name, module in modules.items()}
 
 
 def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:

@@ -29,6 +29,7 @@ from fsdp_precision._edges.entries import (
     weight_entries,
 )
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
+from fsdp_precision._edges.record import RecordedCast, install_casts, recorded_casts
 
 __all__ = ["Fetch", "Ranks", "WeightMeta", "WeightStream", "full_weights", "plan_stream"]
 
@@ -79,15 +80,25 @@ class WeightStream:
         bulk: The dtype training computed the bulk of the model in.
         layout: The layout naming the tensors (``"transformers"``, ``"diffusers"``, ``"peft"``,
             ``"plain"``).
+        casts: The boundary casts training ran kept modules with (a router's input cast to
+            fp32), by the model's module names: what a consumer installs to compute as training
+            did.
     """
 
     def __init__(
-        self, groups: Sequence[_Group], *, bulk: torch.dtype, layout: Layout, fetch: Fetch
+        self,
+        groups: Sequence[_Group],
+        *,
+        bulk: torch.dtype,
+        layout: Layout,
+        fetch: Fetch,
+        casts: tuple[RecordedCast, ...] = (),
     ) -> None:
         self._groups = tuple(groups)
         self._layout = layout
         self._fetch = fetch
         self.bulk = bulk
+        self.casts = casts
         self.layout = layout.name
         self.metadata: tuple[WeightMeta, ...] = tuple(m for g in groups for m in g.out)
 
@@ -100,6 +111,12 @@ class WeightStream:
     def nbytes(self) -> int:
         """Bytes of every yielded tensor together."""
         return sum(_numel(m.shape) * m.dtype.itemsize for m in self.metadata)
+
+    def install_casts(self, model: nn.Module) -> list[str]:
+        """Install :attr:`casts` on ``model`` (a consumer's copy of the architecture, loaded
+        from this stream), so that its kept modules compute as training's did; return the
+        modules that got one (those ``model`` lacks, or that cast already, are left alone)."""
+        return install_casts(model, self.casts)
 
     def __len__(self) -> int:
         return len(self.metadata)
@@ -182,7 +199,11 @@ def full_weights(
         full = {e.name: _full(e.tensor, d, target) for e, d in zip(entries, dtypes, strict=True)}
         return full if receive else None
 
-    return plan_stream(entries, bulk, dtype=dtype, cast_kept=cast_kept, layout=chosen, fetch=fetch)
+    stream = plan_stream(
+        entries, bulk, dtype=dtype, cast_kept=cast_kept, layout=chosen, fetch=fetch
+    )
+    stream.casts = recorded_casts(model)
+    return stream
 
 
 def plan_stream(

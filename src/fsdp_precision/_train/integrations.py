@@ -1,15 +1,23 @@
 """The seams of frameworks that call ``fully_shard`` themselves (docs/integrations.md): the HF
 Trainer's plugin arguments, accelerate's FSDP2 on a CPU-only machine, a Trainer class that runs
-FSDP2 on CPU. Only public attributes of accelerate's state are set; the package is imported
-lazily (an optional dependency)."""
+FSDP2 on CPU, the Trainer checkpoint a resume can trust. Only public attributes of accelerate's
+state are set; the package is imported lazily (an optional dependency)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from typing import Any, TypeVar
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer", "trainer_fsdp_policy"]
+__all__ = [
+    "accelerate_fsdp2_on_cpu",
+    "cpu_fsdp2_trainer",
+    "last_complete_checkpoint",
+    "trainer_fsdp_policy",
+]
 
 T = TypeVar("T", bound=type)
 
@@ -115,3 +123,43 @@ def cpu_fsdp2_trainer(trainer_cls: T) -> T:
         "__module__": __name__,
     }
     return type(name, (trainer_cls,), namespace)  # type: ignore[return-value]
+
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+#: The file the HF Trainer writes last into a ``checkpoint-N`` (``TRAINER_STATE_NAME``).
+_TRAINER_STATE = "trainer_state.json"
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that the HF Trainer finished writing, or
+    ``None`` when there is none (or no ``output_dir``): pass it to ``trainer.train(
+    resume_from_checkpoint=...)``.
+
+    The Trainer's save is not atomic: it writes ``checkpoint-N`` in place (the weights, config
+    and ``training_args.bin``, then the optimizer, scheduler and RNG states) and
+    ``trainer_state.json`` last. A run killed mid-save leaves a ``checkpoint-N`` without it,
+    which transformers' ``get_last_checkpoint`` (and ``resume_from_checkpoint=True``) still
+    picks, by name alone; resuming from it fails or restarts the schedule. Here a checkpoint is
+    complete when its ``trainer_state.json`` parses and names a ``global_step``. Local (no
+    collective): every rank reads the same directory.
+    """
+    root = os.fspath(output_dir)
+    if not os.path.isdir(root):
+        return None
+    found: list[tuple[int, str]] = []
+    for name in os.listdir(root):
+        match = _CHECKPOINT.fullmatch(name)
+        path = os.path.join(root, name)
+        if match is not None and os.path.isdir(path) and _trainer_state_written(path):
+            found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def _trainer_state_written(checkpoint: str) -> bool:
+    """Whether ``checkpoint/trainer_state.json`` is there, whole (a JSON object with a step)."""
+    try:
+        with open(os.path.join(checkpoint, _TRAINER_STATE), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and isinstance(state.get("global_step"), int)
