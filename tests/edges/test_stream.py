@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision import Glob, PrecisionRules, full_weights, model_policy
+
 from tests.support.engine import load_weights
 from tests.support.harness import distributed_suite
 from tests.support.hf_models import tiny_qwen3_moe
