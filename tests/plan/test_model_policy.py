@@ -7,6 +7,7 @@ parameters) keeps working; entries no call claimed are an error once the root is
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -59,6 +60,28 @@ def test_policy_is_hashable_comparable_and_shows_root_relative_entries() -> None
     assert policy != model_policy(model, RULES)  # another scope: claims are per policy
     assert set(policy.param_dtype_map) == {n for n, _ in model.named_parameters() if kept(n)}
     assert {policy: 1}[policy] == 1
+
+
+def test_policy_pickles_as_the_plain_policy_it_reads_as_and_copies_as_itself() -> None:
+    """The HF Trainer ``torch.save``s its arguments (the policy in ``fsdp_plugin_args``) into
+    every checkpoint; Lightning pickles hyperparameters. The scope holds weak references to the
+    model's modules, which pickle refuses: the policy pickles as a record instead."""
+    model = net()
+    policy = model_policy(model, RULES)
+    with pytest.raises(TypeError, match=r"cannot pickle 'weakref"):
+        pickle.dumps(policy.scope)  # why the policy needs its own reduction
+    record = pickle.loads(pickle.dumps(policy))
+    assert type(record) is ParamDtypeMixedPrecisionPolicy
+    assert dict(record.param_dtype_map) == dict(policy.param_dtype_map)
+    assert dict(record.module_casts) == dict(policy.module_casts)
+    assert (record.param_dtype, record.reduce_dtype, record.cast_forward_inputs) == (
+        bf16,
+        fp32,
+        True,
+    )
+    # Frameworks copy their arguments: a copy is the live policy, whose scope every call shares.
+    assert copy.copy(policy) is policy and copy.deepcopy(policy) is policy
+    assert copy.deepcopy({"mp": policy})["mp"] is policy
 
 
 def test_rules_are_checked_when_the_policy_is_built() -> None:
