@@ -1,7 +1,12 @@
 """torchtitan with one ``model_policy``: the ``parallelize_fn`` of its Qwen3 MoE, the router gates
-in fp32 inside bf16 FSDP units, gradients reduced in fp32.
+in fp32 inside bf16 FSDP units, gradients reduced in fp32; saved and resumed with torchtitan's own
+``CheckpointManager``, exported for inference.
 
-    torchrun --standalone --nproc_per_node 2 examples/torchtitan_qwen3_moe.py   # CPU, tiny
+    torchrun --standalone --nproc_per_node 2 examples/torchtitan_qwen3_moe.py --dir run  # CPU, tiny
+    torchrun --standalone --nproc_per_node 2 examples/torchtitan_qwen3_moe.py --dir run \\
+        --stop-after 2      # a preemption: the run ends after step 2's checkpoint
+    torchrun --standalone --nproc_per_node 2 examples/torchtitan_qwen3_moe.py --dir run
+                            # resumes after step 2, bitwise as if it had never stopped
 
 torchtitan's ``apply_fsdp_to_decoder`` builds its own ``MixedPrecisionPolicy``; the recipe makes
 the same calls (embedding, ``[norm, lm_head]``, each block, the root) with one ``model_policy``,
@@ -9,21 +14,47 @@ and goes in the model's ``ModelSpec.parallelize_fn`` (``parallelize_qwen3_with_m
 torchtitan's signature; set ``--parallelism.spmd_backend partial_dtensor``). On CUDA torchtitan
 computes the gate under ``autocast(float32)``; the rule's boundary cast casts the gate's input on
 any device. Here ``main`` builds torchtitan's own Qwen3 MoE small on CPU (its SDPA attention:
-flex attention has no CPU backward) and trains two steps. ``tests/integrations/test_torchtitan.py``
-imports the recipe from this file; CI runs it in its torchtitan venv.
+flex attention has no CPU backward), takes the job config of its ``qwen3_moe_debug`` recipe from
+its ``ConfigManager`` (``--checkpoint.interval 1``), and builds the optimizers, LR schedulers and
+checkpointer from it as torchtitan's ``Trainer`` does.
+
+Checkpoints: ``CheckpointManager.save(step)`` writes ``<dump_folder>/checkpoint/step-<N>`` with
+``torch.distributed.checkpoint``: every rank its model and optimizer shards as stored (the fp32
+masters), the LR schedulers and the train state as pickled bytes, and a pickled ``.metadata``,
+written last (to a temporary name, then renamed). ``load()`` resumes from the newest step that
+has one: a save cut off is skipped. The last step's save is model-only and cast to
+``--checkpoint.export_dtype`` when ``last_save_model_only`` (the default outside the debug
+recipe), and the Hugging Face one (``last_save_in_hf``) casts every tensor, the gates too.
+
+Export: ``export_safetensors(model, dir, dtype=torch.bfloat16)`` writes torchtitan's names (the
+``plain`` layout: a torchtitan model is a plain ``nn.Module``), the bulk in bf16 and the gates in
+fp32, one FSDP unit in memory at a time; a fresh model loads it with ``load_state_dict(...,
+assign=True)`` and ``restore_kept`` (the boundary casts). torchtitan's
+``Qwen3StateDictAdapter.to_hf`` renames it for Hugging Face (experts split, dtypes kept).
+Without ``--dir`` the run lives in a temporary directory. ``--out`` writes the final state
+(rank 0), which ``tests/integrations/test_torchtitan.py`` compares bitwise across launches; it
+also imports the recipe from this file. CI runs both in its torchtitan venv.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
+from fsdp_precision.checkpoint import export_safetensors, restore_kept
 from fsdp_precision.testing import GatherProbe
 
 RULES = fp.PrecisionRules(
@@ -105,39 +136,139 @@ def tiny_qwen3_moe_config() -> Any:
     return config
 
 
+class TrainState(Stateful):
+    """What torchtitan's Trainer checkpoints as ``train_state``: the step (and the losses)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.losses: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "losses": list(self.losses)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step, self.losses = state_dict["step"], list(state_dict["losses"])
+
+
+def whole(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with every DTensor gathered whole (collective)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
+
+
+def tokens(step: int, rank: int) -> torch.Tensor:
+    """Step ``step``'s batch on ``rank``: a resumed run sees what the uninterrupted one saw."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=generator)
+
+
 def main() -> None:
+    from safetensors.torch import load_file
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="", help="the run's directory (default: a temporary one)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--stop-after", type=int, default=0, help="end after this step's save")
+    parser.add_argument("--out", default="", help="rank 0 saves the final state here")
+    args = parser.parse_args()
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    where = [args.dir or (tempfile.mkdtemp(prefix="torchtitan-") if rank == 0 else "")]
+    dist.broadcast_object_list(where)
+    run = Path(where[0])
+    config = ConfigManager().parse_args(
+        ["--module", "qwen3", "--config", "qwen3_moe_debug", "--dump_folder", str(run),
+         "--training.steps", str(args.steps), "--training.seq_len", str(SEQ),
+         "--checkpoint.enable", "--checkpoint.interval", "1"]
+    )  # fmt: skip
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     torch.manual_seed(0)
-    model = tiny_qwen3_moe_config().build()
+    model_config = tiny_qwen3_moe_config()
+    model = model_config.build()
     model.init_states()
     parallelize_with_model_policy(model, mesh, RULES)
     for module in model.modules():  # gloo has no PREMUL_SUM for torchtitan's divide factor 1
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(2):
-        tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
-        with GatherProbe(model) as probe:
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
-            )
+    # As torchtitan's Trainer builds them, from the job config.
+    optimizers = config.optimizer.build(model_parts=[model])
+    schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=args.steps)
+    state = TrainState()
+    checkpointer = config.checkpoint.build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": state}, sd_adapter=Qwen3StateDictAdapter(model_config, None),
+        base_folder=config.dump_folder,
+    )  # fmt: skip
+    checkpointer.load()  # the newest complete step under <dir>/checkpoint, or a fresh start
+    start = state.step
+    for step in range(start + 1, args.steps + 1):
+        batch = tokens(step, rank)
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), batch[:, 1:].flatten()
+        )
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        state.step = step
+        state.losses.append(mean.item() / dist.get_world_size())
+        checkpointer.save(step, last_step=step == args.steps)
+        if step == args.stop_after:
+            if rank == 0:
+                print(f"stopped after step {step}'s checkpoint (a simulated preemption)")
+            checkpointer.close()
+            return
+    checkpointer.close()
     assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2 did not wrap it"
+    prompt = tokens(0, 0)[:, :-1]
+    with torch.no_grad(), GatherProbe(model) as probe:
+        trained_logits = model(prompt)  # collective
     kept = {n for n in probe.seen if n.endswith("moe.router.gate.weight")}
     assert kept and all(probe.seen[n].dtype == torch.float32 for n in kept)
     assert all(t.dtype == torch.bfloat16 for n, t in probe.seen.items() if n not in kept)
-    if dist.get_rank() == 0:
+
+    # Export (collective; rank 0 writes): torchtitan's names, bulk bf16, gates fp32.
+    export = run / "export"
+    export_safetensors(model, export, dtype=torch.bfloat16, step=args.steps)
+    params, optim = whole(model.state_dict()), whole(optimizers.state_dict())  # collective
+    if rank == 0:
+        weights = load_file(export / "model.safetensors")
+        assert all(weights[n].dtype == torch.float32 for n in kept)
+        reloaded = model_config.build()  # a fresh, unwrapped model, as for inference
+        reloaded.load_state_dict(weights, strict=False, assign=True)  # the file's dtypes
+        restored = restore_kept(reloaded, export)  # exact, with training's boundary casts
+        assert kept <= set(restored), (kept, restored)
+        with torch.no_grad():
+            assert torch.equal(reloaded(prompt), trained_logits), "reloaded logits differ"
+        hf = Qwen3StateDictAdapter(model_config, None).to_hf(weights)  # torchtitan's adapter
+        hf_gates = [n for n in hf if n.endswith("mlp.gate.weight")]
+        assert len(hf_gates) == len(kept) and all(hf[n].dtype == torch.float32 for n in hf_gates)
+        if args.out:
+            lr = schedulers.state_dict()
+            torch.save(
+                {"params": params, "optim": optim, "lr": lr, "losses": state.losses}, args.out
+            )
         print(
-            f"2 steps, loss {loss.item():.4f}; {len(kept)} router gates gathered in fp32, the "
-            f"other {len(probe.seen) - len(kept)} parameters in bf16, on FSDP2"
+            f"step {args.steps}, loss {state.losses[-1]:.4f} (started after step {start}); "
+            f"{len(kept)} router gates gathered in fp32, the other {len(probe.seen) - len(kept)} "
+            f"parameters in bf16, on FSDP2; exported bf16 with the gates in fp32, reloaded with "
+            f"the trained logits; {len(hf)} tensors in Hugging Face names"
         )
-    dist.destroy_process_group()
+        if not args.dir:
+            shutil.rmtree(run)
 
 
 if __name__ == "__main__":
     main()
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
+    dist.destroy_process_group()
+    # Leave without interpreter shutdown (as examples/elastic_resume.py does): a gloo worker
+    # thread can still hold the last collective's work, and releasing it while the interpreter
+    # finalises can abort a rank that finished. Everything is written and the group destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

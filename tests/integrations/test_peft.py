@@ -2,17 +2,29 @@
 
 The layout is PEFT's own: ``get_peft_model(bf16 model, LoraConfig, autocast_adapter_dtype=True)``
 keeps the adapters in fp32. Through ``wrap_model_for_training`` and through ``model_policy``
-(the way frameworks that call ``fully_shard`` themselves would pass it), on 2 gloo ranks."""
+(the way frameworks that call ``fully_shard`` themselves would pass it), on 2 gloo ranks.
+
+The export: ``export_safetensors`` of the wrapped LoRA model writes PEFT's layout
+(``adapter_model.safetensors``, ``adapter_config.json``), which ``PeftModel.from_pretrained``
+loads with the trained fp32 adapters bit for bit, the same keys and values PEFT's own
+``save_pretrained`` writes from the unsharded model; ``full_weights`` yields PEFT's names."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
+from fsdp_precision.checkpoint import export_safetensors
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support.harness import collect_cases, distributed_suite
@@ -95,6 +107,75 @@ def case_model_policy_keeps_adapters_in_fp32_with_no_extra_collectives() -> None
     # 2 layer units gathered in forward and backward + the root once; reduce-scatters only where
     # something trains (the root holds the frozen embedding, norm and head).
     assert counts(recorder) == counts(plain_recorder) == (5, 2), counts(recorder)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def case_export_is_the_adapter_peft_loads_and_saves() -> None:
+    model = lora_model()
+    policy = fp.model_policy(model, RULES)
+    for layer in layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):  # the adapters move away from their initial values
+        model(**batch()).loss.backward()
+        optim.step()
+        optim.zero_grad()
+    trained = {n: p.full_tensor() for n, p in model.named_parameters() if "lora_" in n}
+    assert trained and all(t.dtype == fp32 for t in trained.values())
+    # PEFT's names: the adapter name ("default") dropped, as PEFT saves and loads them.
+    stream = fp.full_weights(model, dtype="stored")
+    names = [m.name for m in stream.metadata]
+    assert names == [n.replace(".default", "") for n in trained], names
+    assert all(m.dtype == fp32 and m.kept is not None for m in stream.metadata)
+    streamed = dict(stream)  # collective: every rank iterates
+    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    root = Path(where[0])
+    try:
+        weights = export_safetensors(model, root / "export", dtype=bf16)  # collective
+        if dist.get_rank() != 0:
+            return
+        out = weights.parent
+        assert weights.name == "adapter_model.safetensors"
+        assert sorted(p.name for p in out.iterdir()) == [
+            "adapter_config.json", "adapter_model.safetensors", "fsdp_precision_export.json"
+        ]  # fmt: skip
+        ours = read_safetensors(weights)  # the adapters are kept: fp32 even with dtype=bf16
+        assert ours.keys() == set(names) and all(t.dtype == fp32 for t in ours.values())
+        assert all(torch.equal(ours[n], streamed[n]) for n in names)
+        # PeftModel.from_pretrained loads them, bit for bit.
+        loaded = peft.PeftModel.from_pretrained(tiny_llama(64, bf16), out)
+        params = dict(loaded.named_parameters())
+        for name, tensor in trained.items():
+            assert params[name].dtype == fp32 and torch.equal(params[name], tensor), name
+        # PEFT's own save_pretrained, from an unsharded model holding the trained adapters,
+        # writes the same keys and values, and the same adapter config.
+        unsharded = lora_model()
+        with torch.no_grad():
+            for name, p in unsharded.named_parameters():
+                if name in trained:
+                    p.copy_(trained[name])
+        unsharded.save_pretrained(str(root / "peft"))
+        theirs = read_safetensors(root / "peft" / "adapter_model.safetensors")
+        assert theirs.keys() == ours.keys(), sorted(theirs.keys() ^ ours.keys())
+        for name, tensor in theirs.items():
+            assert tensor.dtype == ours[name].dtype and torch.equal(tensor, ours[name]), name
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert config == json.loads((root / "peft" / "adapter_config.json").read_text())
+        # Negative control: the untrained adapters differ, so the equalities above need the
+        # trained values.
+        assert not any(torch.equal(p, trained[n]) for n, p in lora_model().named_parameters()
+                       if n in trained)  # fmt: skip
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 CASES = collect_cases(globals())

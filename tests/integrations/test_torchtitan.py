@@ -23,6 +23,12 @@ wiring: ``ParallelDims`` builds its mesh on ``torchtitan.tools.utils.device_type
 machine without a GPU, so it is set to "cpu"; and the job config sets
 ``spmd_backend="partial_dtensor"``, because under the default "spmd_types" torchtitan's own
 ``parallelize_qwen3`` fails with this torch (a case pins the error).
+
+The run's edges: ``export_safetensors`` of the recipe's model writes torchtitan's names (its
+fused QKV split by its own state-dict hook into ``wq``/``wk``/``wv``, in the bulk dtype) with
+the gates in fp32, which torchtitan's ``Qwen3StateDictAdapter.to_hf`` renames for Hugging Face;
+and the example, in fresh launches: torchtitan's ``CheckpointManager`` saves every step, a run
+stopped after step 2 resumes bitwise equal to the uninterrupted one, then exports and reloads.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from fsdp_precision._base.dist import free_port
 from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
@@ -363,6 +375,98 @@ def case_torchtitans_default_spmd_backend_cannot_run_here() -> None:
             build_as_the_trainer_does(config, autocast_stand_in=True)
 
 
+def case_export_writes_torchtitans_names_with_the_gates_in_fp32() -> None:
+    """``export_safetensors(model, dir, dtype=bf16)`` of the recipe's model: torchtitan's names
+    (its state-dict hook splits the fused ``wqkv`` into ``wq``/``wk``/``wv``, new tensors no
+    module holds: they leave in the bulk's bf16, as the fused parameter computed), the gates
+    fp32, nothing else kept but the fp32 load-balancing buffers; a fresh model loads it and
+    ``restore_kept`` installs the gates' boundary casts; torchtitan's adapter renames it for
+    Hugging Face with the dtypes kept. Fails if the split tensors are taken for fp32 buffers."""
+    from safetensors.torch import load_file
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from fsdp_precision.checkpoint import export_safetensors, read_export_record, restore_kept
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    model = tiny_qwen3_moe(autocast_stand_in=False)
+    sum_reductions_for_gloo(parallelize_with_model_policy(model, mesh, RULES))
+    step(model)
+    where = [tempfile.mkdtemp(prefix="titan-export-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(where)
+    out = Path(where[0]) / "export"
+    export_safetensors(model, out, dtype=bf16)
+    kept = gates(model)
+    if dist.get_rank() == 0:
+        record = read_export_record(out)
+        assert record.layout == "plain" and record.bulk == bf16, record
+        reasons = {k.name: k.reason for k in record.kept}
+        buffers = {n for n, why in reasons.items() if why.startswith("a buffer")}
+        assert set(reasons) - buffers == set(kept), reasons
+        assert all(n.endswith("moe.expert_bias_E") for n in buffers), buffers
+        weights = load_file(out / "model.safetensors")
+        split = [n for n in weights if ".qkv_linear.w" in n]
+        assert len(split) == 6 and all(weights[n].dtype == bf16 for n in split), split
+        assert all(weights[n].dtype == fp32 for n in kept)
+        fresh = tiny_qwen3_moe_config().build()
+        fresh.load_state_dict(weights, strict=False, assign=True)
+        assert sorted(restore_kept(fresh, out)) == sorted(kept + list(buffers))
+        casts = [n for n, m in fresh.named_modules() if installed_cast(m) is not None]
+        assert casts == ["layers.0.moe.router", "layers.1.moe.router"], casts
+        hf = Qwen3StateDictAdapter(tiny_qwen3_moe_config(), None).to_hf(weights)
+        assert hf["model.layers.0.mlp.gate.weight"].dtype == fp32
+        assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == bf16
+        assert hf["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == bf16
+        shutil.rmtree(out.parent)
+
+
 CASES = collect_cases(globals())
 
 results, test_torchtitan = distributed_suite(2, __name__, CASES)
+
+
+# --------------------------------------------------------------- the example, in fresh launches
+
+
+def launch(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(_PATH), *args]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_example_resumes_with_torchtitans_checkpointer_in_a_fresh_launch_bitwise(
+    tmp_path: Path,
+) -> None:
+    """The example, as a user runs it: torchtitan's CheckpointManager saves every step; the
+    same run stopped after step 2's checkpoint (a preemption), then launched again, resumes
+    after step 2 and ends bitwise equal to the uninterrupted run: parameters, optimizer and LR
+    scheduler state, losses; it exports and reloads (the example checks the logits). A save
+    cut off before its ``.metadata`` (torchtitan's mark of a complete step) is skipped."""
+    launch("--dir", str(tmp_path / "uninterrupted"), "--out", str(tmp_path / "uninterrupted.pt"))
+    run = tmp_path / "preempted"
+    assert "stopped after step 2's checkpoint" in launch("--dir", str(run), "--stop-after", "2")
+    checkpoints = run / "checkpoint"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-2"]
+    torn = checkpoints / "step-3"  # step 3's shards written, its .metadata not
+    torn.mkdir()
+    shutil.copy(checkpoints / "step-2" / "__0_0.distcp", torn / "__0_0.distcp")
+    resumed = launch("--dir", str(run), "--out", str(tmp_path / "resumed.pt"))
+    assert "(started after step 2)" in resumed and "reloaded with the trained logits" in resumed
+    assert all((checkpoints / f"step-{n}" / ".metadata").is_file() for n in (3, 4))
+    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    ref = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
+    assert got["losses"] == ref["losses"] and len(ref["losses"]) == 4, (got, ref)
+    assert got["lr"] == ref["lr"] == {"last_epoch": 4}, (got["lr"], ref["lr"])
+    for key in ("params", "optim"):
+        assert got[key].keys() == ref[key].keys() and got[key], key
+        for name, value in got[key].items():
+            other = ref[key][name]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+            assert same, (key, name)
+    assert any(n.endswith(".exp_avg_sq") for n in got["optim"])
+    assert got["params"]["layers.0.moe.router.gate.weight"].dtype == fp32

@@ -33,10 +33,36 @@ RUNS = [
         "gathered in fp32 (router gates, adapters)",
     ),
     ("accelerate_qwen3_moe.py", (), 2, ("accelerate",), "gates and norms gathered in fp32"),
-    ("lightning_fabric_qwen3_moe.py", (), 2, ("lightning",), "gates and norms gathered in fp32"),
+    (
+        "accelerate_wan.py",
+        (),
+        2,
+        ("accelerate", "diffusers"),
+        "(scale_shift_table, time_embedder, norm2) gathered in fp32",
+    ),
+    (
+        "lightning_fabric_qwen3_moe.py",
+        (),
+        2,
+        ("lightning",),
+        "kept in fp32, reloaded with the trained logits",
+    ),
     ("transformers_native_qwen3_moe.py", (), 2, ("transformers",), "on transformers' FSDP2"),
-    ("torchtitan_qwen3_moe.py", (), 2, ("torchtitan", "triton"), "router gates gathered in fp32"),
+    (
+        "torchtitan_qwen3_moe.py",
+        (),
+        2,
+        ("torchtitan", "triton"),
+        "gates in fp32, reloaded with the trained logits",
+    ),
     ("elastic_resume.py", (), 2, (), "trained to step 5 on mesh [0, 1]"),
+    (
+        "rl_handoff_qwen3_moe.py",
+        (),
+        2,
+        ("transformers",),
+        "iteration 2: reward",  # and the engine's logits bitwise the policy's (it exits otherwise)
+    ),
     (
         "compile_float8_checkpointing.py",
         (),

@@ -32,6 +32,7 @@ __all__ = [
     "check_dtype",
     "out_dtype",
     "strip_wrappers",
+    "tensor_slots",
     "weight_entries",
 ]
 
@@ -132,13 +133,17 @@ def weight_entries(model: nn.Module) -> tuple[list[WeightEntry], torch.dtype]:
     keep = {i: next((n for n in ns if n not in tied_targets), ns[0]) for i, ns in names_of.items()}
     root = managed_root_dtype(model, managed)
     staged: list[tuple[str, torch.Tensor, torch.dtype, str, ManagedParam | None, bool]] = []
+    modules: dict[str, nn.Module] = {}
     for name, tensor in raw:
         if keep[id(tensor)] != name:
             continue
         slot = owners.get(id(tensor))
         info = managed.get(slot) if slot is not None else None
+        if slot is None:  # no module holds it: a state-dict hook made it (torchtitan's QKV split)
+            modules = modules or {strip_wrappers(n): m for n, m in model.named_modules()}
+            info = _hook_source(name, modules, managed)
         compute = info.compute if info is not None else tensor.dtype
-        is_buffer = not isinstance(tensor, nn.Parameter)
+        is_buffer = slot is not None and not isinstance(tensor, nn.Parameter)
         staged.append((name, tensor, compute, _group(name, units), info, is_buffer))
     entries = [
         WeightEntry(n, t, tuple(int(s) for s in t.shape), t.dtype, c, g, None)
@@ -173,6 +178,30 @@ def _owners(model: nn.Module) -> dict[int, tuple[int, str]]:
                 if tensor is not None:
                     owners.setdefault(id(tensor), (id(module), attr))
     return owners
+
+
+def _hook_source(
+    name: str, modules: Mapping[str, nn.Module], managed: Mapping[tuple[int, str], ManagedParam]
+) -> ManagedParam | None:
+    """How the parameters of the module a state-dict hook made ``name`` in compute, when they
+    agree: torchtitan's fused ``qkv_linear.wqkv.weight`` is saved as ``qkv_linear.wq.weight``,
+    ``wk``, ``wv``, new tensors no module holds. The closest enclosing module with managed
+    parameters decides; ``None`` (kept as stored) when there is none or they differ."""
+    prefix = name
+    while "." in prefix:
+        prefix = prefix.rsplit(".", 1)[0]
+        module = modules.get(prefix)
+        if module is None:
+            continue  # a name the hook made (``wq``), not a module
+        found = [
+            managed[(id(m), attr)]
+            for m in module.modules()
+            for attr in m._parameters
+            if (id(m), attr) in managed
+        ]
+        if found:
+            return found[0] if len({f.compute for f in found}) == 1 else None
+    return None
 
 
 def _unit_prefixes(model: nn.Module) -> list[str]:
@@ -211,3 +240,20 @@ def _reason(entry: WeightEntry, info: ManagedParam | None, is_buffer: bool) -> s
     return (
         f"unit {info.unit or 'root'} computes in {compute} (param_dtype={info.policy.param_dtype})"
     )
+
+
+def tensor_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """State-dict name (wrapper segments removed) -> (owner module, attribute, tensor), every
+    alias of a tied tensor."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                if tensor is not None:
+                    owners.setdefault(id(tensor), (module, attr))
+    found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        owner = owners.get(id(tensor))
+        if owner is not None:
+            found[strip_wrappers(key)] = (owner[0], owner[1], tensor)
+    return found

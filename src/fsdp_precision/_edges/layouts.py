@@ -178,9 +178,23 @@ def _adapter(model: nn.Module) -> Convert:
 
 
 def _peft_config(model: nn.Module) -> Callable[[Path, torch.dtype | None], list[str]]:
+    """The adapter's config as ``PeftModel.save_pretrained`` writes it: ``inference_mode``
+    true, the base model's name filled in, and the ``auto_mapping`` that ``AutoPeftModel``
+    reads when the config has no ``task_type``."""
+
     def save(out: Path, dtype: torch.dtype | None) -> list[str]:
         adapter = str(getattr(model, "active_adapter", "default"))
-        model.peft_config[adapter].save_pretrained(str(out))  # type: ignore[index, union-attr]
+        config = _copy(model.peft_config[adapter])  # type: ignore[index]
+        config.inference_mode = True
+        base: Any = model.base_model
+        inner = base if config.is_prompt_learning else base.model
+        if config.base_model_name_or_path is None:
+            config.base_model_name_or_path = inner.__dict__.get("name_or_path") or None
+        auto = None
+        if config.task_type is None:
+            cls = unwrapped_class(inner)
+            auto = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
+        config.save_pretrained(str(out), auto_mapping_dict=auto)
         return ["adapter_config.json"]
 
     return save

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError
-from fsdp_precision._edges.entries import strip_wrappers
+from fsdp_precision._edges.entries import tensor_slots
 from fsdp_precision._edges.record import (
     ExportRecord,
     KeptTensor,
@@ -47,7 +47,7 @@ def restore_kept(
     """
     record = read_export_record(export_dir)
     root = Path(export_dir)
-    slots = _slots(model)
+    slots = tensor_slots(model)
     restorable = [k for k in record.kept if k.param is not None]
     missing = sorted(str(k.param) for k in restorable if k.param not in slots)
     if missing:
@@ -81,22 +81,6 @@ def restore_kept(
     if casts:
         install_casts(model, record.casts)
     return [str(k.param) for k in restorable]
-
-
-def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """State-dict name -> (owner module, attribute, tensor), every alias."""
-    owners: dict[int, tuple[nn.Module, str]] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for attr, tensor in table.items():
-                if tensor is not None:
-                    owners.setdefault(id(tensor), (module, attr))
-    found: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        owner = owners.get(id(tensor))
-        if owner is not None:
-            found[strip_wrappers(key)] = (owner[0], owner[1], tensor)
-    return found
 
 
 def _read(root: Path, record: ExportRecord, kept: list[KeptTensor]) -> dict[str, torch.Tensor]:

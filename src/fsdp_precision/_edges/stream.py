@@ -26,6 +26,7 @@ from fsdp_precision._edges.entries import (
     WeightEntry,
     check_dtype,
     out_dtype,
+    tensor_slots,
     weight_entries,
 )
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
@@ -117,6 +118,46 @@ class WeightStream:
         from this stream), so that its kept modules compute as training's did; return the
         modules that got one (those ``model`` lacks, or that cast already, are left alone)."""
         return install_casts(model, self.casts)
+
+    def load_into(self, model: nn.Module, *, casts: bool = True) -> list[str]:
+        """Copy the stream into ``model``, a consumer's copy of the architecture whose
+        state-dict names are the stream's (``layout="plain"``, or the same model class): each
+        tensor copied into its parameter or buffer, kept tensors allocated in their kept dtype
+        (a router stays fp32 in a bf16 copy), and with ``casts`` the training's boundary casts
+        installed: the copy computes as the trained model. Returns the names loaded.
+
+        Collective like iterating: every rank calls it; with ``ranks="rank0"`` the others load
+        nothing. Checked first, against :attr:`metadata`: a name ``model`` lacks or a shape it
+        does not have raises ``ValueError`` before anything is gathered or modified."""
+        slots = tensor_slots(model)
+        missing = [m.name for m in self.metadata if m.name not in slots]
+        shapes = [
+            f"{m.name} {m.shape} vs {tuple(slots[m.name][2].shape)}"
+            for m in self.metadata
+            if m.name in slots and tuple(slots[m.name][2].shape) != m.shape
+        ]
+        if missing or shapes:
+            raise ValueError(
+                f"the stream does not fit {type(model).__name__}: names it lacks {missing[:3]}, "
+                f"shapes {shapes[:3]}; load it into the same architecture (for a transformers "
+                "model under another name mapping, iterate the stream with layout='plain')"
+            )
+        kept = self.kept
+        loaded = []
+        with torch.no_grad():
+            for name, tensor in self:
+                module, attr, current = slots[name]
+                if name in kept and current.dtype != tensor.dtype:  # allocated in its kept dtype
+                    if isinstance(current, nn.Parameter):
+                        current.data = tensor.to(current.device)
+                    else:
+                        module._buffers[attr] = tensor.to(current.device)
+                else:
+                    current.copy_(tensor)
+                loaded.append(name)
+        if casts:
+            self.install_casts(model)
+        return loaded
 
     def __len__(self) -> int:
         return len(self.metadata)

@@ -1,0 +1,209 @@
+"""The export's peak host memory and bandwidth: streaming unit by unit against consolidating first.
+
+    python benchmarks/bench_export.py [--nproc 2] [--repeats 3] [--dim 1024] [--depth 8]
+        [--experts 4] [--shard-mb 200] [--dir DIR] [--smoke]
+
+One FSDP2 model (a ``TinyDecoder``, fp32, one unit per block and the root, norms kept by a
+``model_policy``) built on the meta device and materialised shard by shard, so no rank ever held
+the whole model before the measurement. Variants, each in a fresh process group:
+
+- ``streaming``: ``export_safetensors(model, dir, max_shard_size=...)``: one unit gathered at a
+  time, each output file written as soon as its last tensor arrived (this library).
+- ``consolidate``: the way exports worked before: ``get_model_state_dict(full_state_dict=True,
+  cpu_offload=True)`` (the whole model on rank 0), then one ``safetensors`` file.
+- ``torch_save``: ``torch.save`` of the consolidated tensors on rank 0, the gather not timed:
+  the floor for writing the same bytes.
+- ``handoff``: ``full_weights(model, ranks="rank0", device="cpu")`` iterated to the end, each
+  tensor dropped as a consumer that copies it into an engine would: the hand-off's own cost.
+
+Memory: rank 0's peak resident set during the variant (``resource.getrusage``'s ``ru_maxrss``
+after it, less the resident set before it; the meta-device build keeps the earlier peak below),
+in MB and as a multiple of the model's bytes and of the bound (the largest unit plus one output
+file). Time: wall time of the variant on rank 0 (the ranks finish together: it is collective);
+MB/s is the model's bytes over it. ``--repeats`` rounds, the variants' order reversed every
+other round; ratios are medians of per-round ratios against ``consolidate``. Prints a markdown
+table and JSON (rank 0). ``--smoke``: a tiny model, one round, the same code path, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_precision as fp
+from fsdp_precision.checkpoint import export_safetensors
+from fsdp_precision.testing import TinyConfig, TinyDecoder, launch, process_group
+
+VARIANTS = ("streaming", "consolidate", "torch_save", "handoff")
+MB = 1e6
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _build(cfg: TinyConfig) -> tuple[torch.nn.Module, int, int]:
+    """The wrapped model, materialised shard by shard; (model, total bytes, largest unit's)."""
+    with torch.device("meta"):
+        model = TinyDecoder(cfg)
+    policy = fp.model_policy(
+        model,
+        fp.PrecisionRules(
+            param_dtype=torch.bfloat16, rules=(fp.Glob("*norm.weight"),), advice="off"
+        ),
+    )
+    units = list(model.blocks)
+    unit_bytes = [sum(p.numel() * 4 for p in u.parameters()) for u in units]
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local()  # type: ignore[attr-defined]
+            local.copy_(torch.randn(local.shape, generator=g) * 0.02)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    root_bytes = total - sum(unit_bytes)
+    return model, total, max([*unit_bytes, root_bytes])
+
+
+def _job(variant: str, cfg: TinyConfig, shard_bytes: int, directory: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    with process_group():
+        fp.apply_param_dtype_map_patch()
+        model, total, largest_unit = _build(cfg)
+        out = Path(directory) / f"{variant}-{os.getpid()}"
+        state: dict[str, torch.Tensor] = {}
+        if variant == "torch_save":  # the gather is not the floor's: outside the timed region
+            state = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        dist.barrier()
+        before = _rss_bytes()
+        start = time.perf_counter()
+        if variant == "streaming":
+            export_safetensors(model, out, max_shard_size=shard_bytes)
+        elif variant == "consolidate":
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if dist.get_rank() == 0:
+                from safetensors.torch import save_file
+
+                out.mkdir(parents=True)
+                save_file(
+                    {k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors")
+                )
+            del full
+        elif variant == "torch_save":
+            if dist.get_rank() == 0:
+                out.mkdir(parents=True)
+                torch.save(state, out / "model.pt")
+        else:
+            for _name, tensor in fp.full_weights(model, ranks="rank0", device="cpu"):
+                del tensor
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        peak = max(0, _peak_bytes() - before)
+        if dist.get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        return {
+            "variant": variant,
+            "seconds": seconds,
+            "peak_bytes": peak,
+            "model_bytes": total,
+            "largest_unit_bytes": largest_unit,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--shard-mb", type=float, default=200.0)
+    parser.add_argument("--dir", default=None, help="where files are written (default: a tmp dir)")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one round (CI)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.dim, args.depth, args.experts, args.shard_mb = 1, 64, 2, 2, 0.05
+    cfg = TinyConfig(vocab=8192 if not args.smoke else 256, dim=args.dim, depth=args.depth,
+                     heads=8 if not args.smoke else 4, experts=args.experts)  # fmt: skip
+    shard_bytes = int(args.shard_mb * MB)
+    directory = args.dir or tempfile.mkdtemp(prefix="bench-export-")
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(args.repeats):
+        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        rounds.append(
+            {v: launch(_job, (v, cfg, shard_bytes, directory), nproc=args.nproc) for v in order}
+        )
+    if args.dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    model_bytes = rounds[0]["streaming"]["model_bytes"]
+    bound = rounds[0]["streaming"]["largest_unit_bytes"] + shard_bytes
+    table: dict[str, dict[str, float]] = {}
+    for v in VARIANTS:
+        secs = [r[v]["seconds"] for r in rounds]
+        peaks = [r[v]["peak_bytes"] for r in rounds]
+        table[v] = {
+            "seconds": statistics.median(secs),
+            "mb_per_s": model_bytes / MB / statistics.median(secs),
+            "peak_mb": statistics.median(peaks) / MB,
+            "peak_over_model": statistics.median(peaks) / model_bytes,
+            "peak_over_bound": statistics.median(peaks) / bound,
+            "time_over_consolidate": statistics.median(
+                r[v]["seconds"] / r["consolidate"]["seconds"] for r in rounds
+            ),
+            "peak_over_consolidate": statistics.median(
+                r[v]["peak_bytes"] / max(r["consolidate"]["peak_bytes"], 1) for r in rounds
+            ),
+        }
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "torch": torch.__version__,
+        "nproc": args.nproc,
+        "repeats": args.repeats,
+        "model_mb": model_bytes / MB,
+        "bound_mb": bound / MB,
+        "shard_mb": shard_bytes / MB,
+        "variants": table,
+    }
+    print(f"model {model_bytes / MB:.0f} MB on {args.nproc} ranks; bound (largest unit + one "
+          f"file) {bound / MB:.0f} MB; medians of {args.repeats} rounds")  # fmt: skip
+    print("| variant | s | MB/s | rank 0 peak MB | x model | x bound | time / consolidate "
+          "| peak / consolidate |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for v, row in table.items():
+        cells = [f"{row['seconds']:.2f}", f"{row['mb_per_s']:.0f}", f"{row['peak_mb']:.0f}"]
+        cells += [f"{row[k]:.2f}" for k in ("peak_over_model", "peak_over_bound")]
+        cells += [f"{row[k]:.2f}" for k in ("time_over_consolidate", "peak_over_consolidate")]
+        print(f"| {v} | " + " | ".join(cells) + " |")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
