@@ -47,10 +47,12 @@ from fsdp_precision._edges.record import (
     read_export_record,
 )
 from fsdp_precision._edges.restore import restore_kept
+from fsdp_precision._edges.safe_globals import SAFE_GLOBALS
 
 __all__ = [
     "EXPORT_RECORD",
     "METADATA_FILE",
+    "SAFE_GLOBALS",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointReadError",

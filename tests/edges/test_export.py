@@ -354,3 +354,33 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks(results: dict[str, str], case: str) -> None:
     check(results[case])
+
+
+@pytest.mark.fast
+def test_weights_files_are_readable_as_the_umask_says(tmp_path: Path) -> None:
+    export_safetensors(nn.Linear(2, 2), tmp_path / "out")
+    config_mode = (tmp_path / "out" / EXPORT_RECORD).stat().st_mode & 0o777  # made by open()
+    weights_mode = (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777
+    assert weights_mode == config_mode  # safetensors alone makes them 0600
+
+
+@pytest.mark.fast
+def test_rules_and_policies_load_with_weights_only_and_the_allow_list(tmp_path: Path) -> None:
+    """What the Trainer and Lightning pickle (rules, a model_policy with boundary casts) loads
+    under ``torch.load``'s default ``weights_only=True`` given ``SAFE_GLOBALS``, and only so."""
+    import pickle
+
+    from fsdp_precision import ParamDtypeMixedPrecisionPolicy
+    from fsdp_precision.checkpoint import SAFE_GLOBALS
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    rules = PrecisionRules(param_dtype=bf16, rules=(Glob("1.*"),), advice="off")
+    torch.save({"rules": rules, "policy": model_policy(model, rules)}, tmp_path / "h.pt")
+    with pytest.raises(pickle.UnpicklingError, match=r"Unsupported global: .*fsdp_precision"):
+        torch.load(tmp_path / "h.pt")  # the negative control: refused without the list
+    with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        loaded = torch.load(tmp_path / "h.pt")
+    assert loaded["rules"] == rules
+    assert type(loaded["policy"]) is ParamDtypeMixedPrecisionPolicy
+    assert dict(loaded["policy"].param_dtype_map) == {"1.weight": fp32, "1.bias": fp32}
+    assert set(loaded["policy"].module_casts) == {"1"}

@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
 from fsdp_precision._base.dist import free_port
-from fsdp_precision._policy.scope import ModelScopedPolicy, _plain_policy
+from fsdp_precision._policy.scope import ModelScopedPolicy
+from fsdp_precision.checkpoint import SAFE_GLOBALS
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support import ROOT
@@ -372,7 +373,7 @@ def case_trainer_checkpoint_with_the_policy_in_hparams_saves_and_resumes_bitwise
     ], unsafe
     with pytest.raises(pickle.UnpicklingError, match=r"Unsupported global: .*fsdp_precision"):
         torch.load(meta)  # Lightning's default: weights_only
-    allowed = [fp.PrecisionRules, _plain_policy]
+    allowed = list(SAFE_GLOBALS)  # the library's public allow-list
     with torch.serialization.safe_globals(allowed):
         hparams = torch.load(meta)["hyper_parameters"]
     assert hparams["rules"] == RULES

@@ -29,7 +29,7 @@ SURFACE = {
         "remove_param_dtype_map_patch", "wrap_model_for_training",
     ],
     "fsdp_precision.checkpoint": [
-        "EXPORT_RECORD", "METADATA_FILE", "CheckpointError", "CheckpointNotFoundError",
+        "EXPORT_RECORD", "METADATA_FILE", "SAFE_GLOBALS", "CheckpointError", "CheckpointNotFoundError",
         "CheckpointReadError", "CheckpointWriteError", "ExportRecord", "KeptTensor",
         "RecordedCast", "StateDictMismatchError", "StateDictType", "export_safetensors",
         "latest_checkpoint", "load_checkpoint", "load_model_state_dict", "model_state_dict",

@@ -73,7 +73,9 @@ def restore_kept(
     with torch.no_grad():
         for kept in restorable:
             module, attr, current = slots[str(kept.param)]
-            value = values[kept.name].to(current.device)
+            # A copy in fresh memory: no reference into the file's buffer, and aligned as the
+            # CPU kernels expect (a tensor read at an odd file offset can compute differently).
+            value = values[kept.name].to(current.device, copy=True)
             if isinstance(current, nn.Parameter):
                 current.data = value  # the same Parameter: tied aliases and references follow
             else:

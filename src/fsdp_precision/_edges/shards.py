@@ -9,6 +9,7 @@ arrives, and the index (``<weights>.index.json``) lists every tensor's file.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,20 @@ import torch
 from fsdp_precision._base.errors import CheckpointError
 
 __all__ = ["ShardPlan", "ShardWriter", "check_shard_size", "plan_shards"]
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (Linux reports it in
+    ``/proc/self/status``, read without changing it; elsewhere the usual 0o644)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
 _UNITS = {
@@ -141,5 +156,7 @@ class ShardWriter:
     def _write(self, file: str, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file  # lazy: an optional dependency
 
-        save_file(tensors, str(self.directory / file), metadata=self.metadata)
+        path = self.directory / file
+        save_file(tensors, str(path), metadata=self.metadata)
+        os.chmod(path, _file_mode())  # safetensors creates 0600 files; others read an export
         self.written.append(file)

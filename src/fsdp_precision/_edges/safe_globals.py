@@ -1,0 +1,29 @@
+"""The library's objects a framework's checkpoint may hold, for loaders that refuse the rest.
+
+Frameworks pickle what users hand them: the HF Trainer ``torch.save``s its arguments (a
+``model_policy`` in ``fsdp_plugin_args``), Lightning its hyperparameters (rules, a policy).
+``torch.load`` refuses any class it was not told about (``weights_only=True``, its default since
+torch 2.6, and Lightning's): ``torch.serialization.safe_globals(SAFE_GLOBALS)`` allows exactly
+these, data-only records whose construction validates every field and runs nothing else.
+"""
+
+from __future__ import annotations
+
+from fsdp_precision._plan.rules import Glob, PrecisionRules
+from fsdp_precision._policy.casts import ModuleCast
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy, _FrozenMap
+from fsdp_precision._policy.scope import _plain_policy
+
+__all__ = ["SAFE_GLOBALS"]
+
+#: What a pickled rule set or policy of this library is made of (a ``model_policy`` pickles as
+#: the plain policy it reads as, through ``_plain_policy``). ``ModuleClass`` rules hold a
+#: module class, which a loader must allow by itself.
+SAFE_GLOBALS: tuple[object, ...] = (
+    PrecisionRules,
+    Glob,
+    ModuleCast,
+    ParamDtypeMixedPrecisionPolicy,
+    _FrozenMap,
+    _plain_policy,
+)
