@@ -132,6 +132,23 @@ def case_engine_consumer_matches_the_trained_logits() -> None:
         assert torch.equal(served, trained) != cast_kept, f"cast_kept={cast_kept}"
 
 
+def case_load_into_a_copy_computes_as_trained_and_refuses_another_shape() -> None:
+    model, _ = wrapped()
+    with torch.no_grad():
+        trained = model(input_ids=ids()).logits
+    copy_ = tiny_qwen3_moe(bf16, seed=1).eval()  # a bf16 copy, as an evaluation or reference model
+    other = tiny_qwen3_moe(bf16, num_experts=2)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the stream does not fit Qwen3MoeForCausalLM: .*shapes"):
+        full_weights(model, dtype=bf16, layout="plain").load_into(other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # untouched
+    stream = full_weights(model, dtype=bf16, layout="plain")  # the copy's own (fused) names
+    assert len(stream.load_into(copy_)) == len(stream)
+    assert copy_.get_parameter(GATES[0]).dtype == fp32  # allocated in its kept dtype
+    with torch.no_grad():
+        assert torch.equal(copy_(input_ids=ids()).logits, trained)
+
+
 CASES = [
     "case_stream_is_the_model_in_checkpoint_names",
     "case_dtypes_follow_the_plan",
@@ -139,5 +156,6 @@ CASES = [
     "case_rank0_alone_receives",
     "case_tied_embedding_once",
     "case_engine_consumer_matches_the_trained_logits",
+    "case_load_into_a_copy_computes_as_trained_and_refuses_another_shape",
 ]
 results, test_two_ranks = distributed_suite(2, __name__, CASES)
