@@ -204,18 +204,17 @@ def test_a_failed_export_leaves_the_previous_one(
     out = tmp_path / "out"
     export_safetensors(nn.Linear(4, 4), out)
     before = snapshot(out)
-    import safetensors.torch
+    from fsdp_precision._edges import shards
 
     calls = {"n": 0}
-    real = safetensors.torch.save_file
 
-    def fails_second(*args: Any, **kwargs: Any) -> None:
+    def full_disk_at_the_second_file(path: Any, mode: str) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(28, "No space left on device")
-        real(*args, **kwargs)
+        return open(path, mode)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", fails_second)
+    monkeypatch.setattr(shards, "open", full_disk_at_the_second_file, raising=False)
     with pytest.raises(CheckpointWriteError, match=r"cannot export to '.*out' \(OSError\(28"):
         export_safetensors(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), out, max_shard_size=64)
     assert calls["n"] == 2 and snapshot(out) == before

@@ -67,7 +67,8 @@ def export_safetensors(
     - ``max_shard_size``: files of at most this size (``"5GB"``, as Hugging Face), with
       ``<weights>.index.json`` when there are several.
 
-    Written one unit at a time into a sibling temporary directory, the record
+    Written one unit at a time (each tensor's bytes as it is gathered) into a sibling temporary
+    directory, the record
     (``fsdp_precision_export.json``: what was kept and why, the boundary casts, the files) last,
     then moved into place: a crash leaves the previous export or the new one, never a mix.
     ``out_dir`` must be new, empty, or an earlier export (files others put there are kept).
@@ -121,7 +122,8 @@ def _write(
                 [(m.name, m.dtype, m.shape) for m in stream.metadata], layout.weights_name, size
             )
             entry = plan.entry
-            writer = ShardWriter(tmp, plan)
+            declared = {m.name: (m.dtype, m.shape) for m in stream.metadata}
+            writer = ShardWriter(tmp, plan, declared)
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(out, err)
     error = share(error)
