@@ -18,8 +18,8 @@ the whole model before the measurement. Variants, each in a fresh process group:
 
 Memory: rank 0's peak resident set during the variant (``resource.getrusage``'s ``ru_maxrss``
 after it, less the resident set before it; the meta-device build keeps the earlier peak below),
-in MB and as a multiple of the model's bytes and of the bound (the largest unit plus one output
-file). Time: wall time of the variant on rank 0 (the ranks finish together: it is collective);
+in MB and as a multiple of the model's bytes and of its largest unit (what the streaming export
+holds at once: one unit's full tensors; each tensor's bytes go to its file as they arrive). Time: wall time of the variant on rank 0 (the ranks finish together: it is collective);
 MB/s is the model's bytes over it. ``--repeats`` rounds, the variants' order reversed every
 other round; ratios are medians of per-round ratios against ``consolidate``. Prints a markdown
 table and JSON (rank 0). ``--smoke``: a tiny model, one round, the same code path, seconds.
@@ -163,7 +163,7 @@ def main() -> None:
     if args.dir is None:
         shutil.rmtree(directory, ignore_errors=True)
     model_bytes = rounds[0]["streaming"]["model_bytes"]
-    bound = rounds[0]["streaming"]["largest_unit_bytes"] + shard_bytes
+    unit = rounds[0]["streaming"]["largest_unit_bytes"]
     table: dict[str, dict[str, float]] = {}
     for v in VARIANTS:
         secs = [r[v]["seconds"] for r in rounds]
@@ -173,7 +173,7 @@ def main() -> None:
             "mb_per_s": model_bytes / MB / statistics.median(secs),
             "peak_mb": statistics.median(peaks) / MB,
             "peak_over_model": statistics.median(peaks) / model_bytes,
-            "peak_over_bound": statistics.median(peaks) / bound,
+            "peak_over_unit": statistics.median(peaks) / unit,
             "time_over_consolidate": statistics.median(
                 r[v]["seconds"] / r["consolidate"]["seconds"] for r in rounds
             ),
@@ -188,18 +188,18 @@ def main() -> None:
         "nproc": args.nproc,
         "repeats": args.repeats,
         "model_mb": model_bytes / MB,
-        "bound_mb": bound / MB,
+        "largest_unit_mb": unit / MB,
         "shard_mb": shard_bytes / MB,
         "variants": table,
     }
-    print(f"model {model_bytes / MB:.0f} MB on {args.nproc} ranks; bound (largest unit + one "
-          f"file) {bound / MB:.0f} MB; medians of {args.repeats} rounds")  # fmt: skip
-    print("| variant | s | MB/s | rank 0 peak MB | x model | x bound | time / consolidate "
+    print(f"model {model_bytes / MB:.0f} MB on {args.nproc} ranks; largest unit "
+          f"{unit / MB:.0f} MB; medians of {args.repeats} rounds")  # fmt: skip
+    print("| variant | s | MB/s | rank 0 peak MB | x model | x largest unit | time / consolidate "
           "| peak / consolidate |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for v, row in table.items():
         cells = [f"{row['seconds']:.2f}", f"{row['mb_per_s']:.0f}", f"{row['peak_mb']:.0f}"]
-        cells += [f"{row[k]:.2f}" for k in ("peak_over_model", "peak_over_bound")]
+        cells += [f"{row[k]:.2f}" for k in ("peak_over_model", "peak_over_unit")]
         cells += [f"{row[k]:.2f}" for k in ("time_over_consolidate", "peak_over_consolidate")]
         print(f"| {v} | " + " | ".join(cells) + " |")
     print(json.dumps(result, indent=2))

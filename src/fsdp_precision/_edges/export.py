@@ -129,13 +129,13 @@ def _write(
     error = share(error)
     if error is not None:
         raise error
-    for group in stream.groups():
+    for name, tensor in stream:  # tensor by tensor: each is freed once written
         if writer is not None and error is None:
             try:
-                for name, tensor in group:
-                    writer.add(name, tensor)
+                writer.add(name, tensor)
             except Exception as err:  # noqa: BLE001 - raised after the stream ended
                 error = _write_error(out, err)
+        del tensor
     if rank == 0 and error is None:
         assert tmp is not None and writer is not None
         try:

@@ -48,7 +48,7 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
     kept = precision.get("kept")
     if kept is None and dtype != "stored":
         raise CheckpointError(
-            f"checkpoint '{path}' records no kept dtypes (written before fsdp-precision 0.3), "
+            f"checkpoint '{path}' records no kept dtypes (written by an earlier fsdp-precision), "
             f"so dtype={dtype!r} could round a kept router or norm; export it with "
             "dtype='stored', or export the loaded model"
         )
