@@ -19,8 +19,9 @@ the whole model before the measurement. Variants, each in a fresh process group:
 Memory: rank 0's peak resident set during the variant (``resource.getrusage``'s ``ru_maxrss``
 after it, less the resident set before it; the meta-device build keeps the earlier peak below),
 in MB and as a multiple of the model's bytes and of its largest unit (what the streaming export
-holds at once: one unit's full tensors; each tensor's bytes go to its file as they arrive). Time: wall time of the variant on rank 0 (the ranks finish together: it is collective);
-MB/s is the model's bytes over it. ``--repeats`` rounds, the variants' order reversed every
+holds at once: one unit's full tensors; each tensor's bytes go to its file as they arrive).
+Time: wall time of the variant on rank 0 (the ranks finish together: it is collective); MB/s is
+the model's bytes over it. ``--repeats`` rounds, the variants' order reversed every
 other round; ratios are medians of per-round ratios against ``consolidate``. Prints a markdown
 table and JSON (rank 0). ``--smoke``: a tiny model, one round, the same code path, seconds.
 """
