@@ -53,6 +53,33 @@ def test_on_this_torch_every_function_matches(capsys: pytest.CaptureFixture[str]
     assert data["packages"]["transformers"]["tested"] == ["5.24.0", "4.56.2"]
 
 
+def test_with_the_patch_installed_every_function_still_matches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The check reads torch's functions, not the replacements standing in their place (a
+    process that patched, then asks: a notebook, a test session). Negative control: without
+    ``__wrapped__`` on the replacements, the replaced ones read as changed."""
+    import fsdp_precision as fp
+    from fsdp_precision._patch.registry import _registry as registry
+
+    count = len(release_module().SOURCES)
+    was_applied = fp.is_param_dtype_map_patch_applied()
+    fp.apply_param_dtype_map_patch()
+    try:
+        code, out = doctor(capsys)
+        assert code == 0 and f"  patch: {count} of {count} upstream functions match" in out
+        saved = [(r, r.__dict__.pop("__wrapped__")) for _, _, r in registry.installed]
+        try:
+            code, out = doctor(capsys)
+            assert code == 1 and f"  patch: {count} of {count} upstream" not in out
+        finally:
+            for replacement, original in saved:
+                replacement.__wrapped__ = original
+    finally:
+        if not was_applied:
+            fp.remove_param_dtype_map_patch()
+
+
 def test_a_changed_function_is_named(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

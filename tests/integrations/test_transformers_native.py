@@ -6,17 +6,24 @@ gathered in bf16 (the negative control). Inside ``transformers_native_fsdp(rules
 gets ``model_policy(model, rules)``: the gates are gathered in fp32, the collectives unchanged.
 2 gloo ranks, a real checkpoint written by ``save_pretrained`` of a tiny model. Parity: one step
 is bitwise equal to the same checkpoint wrapped by ``testing.wrap_separate_units`` (other units,
-the same rules and ranks); transformers' own policy is not.
+the same rules and ranks); transformers' own policy is not. Save, resume and export: the example
+(``examples/transformers_native_qwen3_moe.py``) under ``torchrun``, straight through and
+preempted then resumed in a fresh launch from the library's step checkpoints, ends bitwise
+equal; its export reloads to the trained fp32 gates with ``restore_kept``.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +32,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
+from fsdp_precision._base.dist import free_port
 from fsdp_precision.integrations import transformers_native_fsdp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe, wrap_separate_units
 
+from tests.support import ROOT
 from tests.support.harness import collect_cases, distributed_suite, torchrun_environment
 from tests.support.hf_models import deepseek_v3
 
@@ -169,6 +178,63 @@ def test_unchecked_transformers_release_is_refused(monkeypatch: pytest.MonkeyPat
     from transformers.distributed.fsdp import apply_fully_sharded_data_parallelism
 
     assert mixin.apply_fully_sharded_data_parallelism is apply_fully_sharded_data_parallelism
+
+
+# ---------------------------------------------------------------------- save, resume, export
+
+EXAMPLE = ROOT / "examples" / "transformers_native_qwen3_moe.py"
+
+
+def launch(*args: object) -> str:
+    """The example under ``torchrun`` on 2 CPU ranks; its stdout (it must succeed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*launcher, "--nproc_per_node=2", str(EXAMPLE), *map(str, args)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def digest(stdout: str) -> str:
+    found = re.findall(r"parameters sha256 ([0-9a-f]{16})", stdout)
+    assert len(found) == 1, stdout[-2000:]
+    return found[0]
+
+
+def test_native_fsdp_resumes_bitwise_in_a_fresh_launch_and_exports(tmp_path: Path) -> None:
+    """4 steps straight through, against 3 steps (a save at step 2), then a fresh launch that
+    resumes from step 2 (``resume_from_latest``) and trains steps 3-4: every parameter bitwise
+    equal. The export's gates are the trained fp32 values; ``from_pretrained(dtype=bf16)``
+    alone rounds them (the example asserts both on rank 0 and says so)."""
+    from safetensors.torch import load_file
+
+    from fsdp_precision.checkpoint import read_export_record
+
+    whole = launch("--output-dir", tmp_path / "whole")
+    preempted = launch("--output-dir", tmp_path / "parted", "--stop-after", "3")
+    resumed = launch("--output-dir", tmp_path / "parted")
+    assert "started fresh, trained steps 1-4" in whole, whole[-2000:]
+    assert "started fresh, trained steps 1-3; preempted" in preempted, preempted[-2000:]
+    assert "resumed from step 2, trained steps 3-4" in resumed, resumed[-2000:]
+    assert digest(resumed) == digest(whole)
+    assert digest(preempted) != digest(whole)  # the digest sees training
+    for out in (whole, resumed):
+        assert "restore_kept put back their trained fp32 values (bitwise)" in out, out[-2000:]
+    export = tmp_path / "whole" / "export"
+    record = read_export_record(export)
+    gates = [f"model.layers.{i}.mlp.gate.weight" for i in range(2)]
+    assert sorted(k.name for k in record.kept) == gates and record.bulk == bf16
+    assert record.weights == "model.safetensors.index.json" and record.step == 4
+    # transformers' own save_pretrained works on the sharded model: every tensor as stored
+    # (bf16 bulk, fp32 gates), equal to the export's, and no record of what was kept.
+    saved = load_file(tmp_path / "whole" / "save_pretrained" / "model.safetensors")
+    exported: dict[str, torch.Tensor] = {}
+    for shard in (f for f in record.files if f.endswith(".safetensors")):
+        exported.update(load_file(export / shard))
+    assert saved.keys() == exported.keys()
+    assert all(t.dtype == saved[n].dtype and torch.equal(t, saved[n]) for n, t in exported.items())
+    assert {n for n, t in saved.items() if t.dtype == fp32} == set(gates)
+    assert not (tmp_path / "whole" / "save_pretrained" / "fsdp_precision_export.json").exists()
 
 
 CASES = collect_cases(globals())

@@ -41,7 +41,8 @@ SURFACE = {
         "library_of", "load_state_dict_aligned",
     ],
     "fsdp_precision.integrations": [
-        "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer", "trainer_fsdp_policy",
+        "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer", "last_complete_checkpoint",
+        "trainer_fsdp_policy",
         "transformers_native_fsdp",
     ],
     "fsdp_precision.testing": [

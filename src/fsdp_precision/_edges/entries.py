@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
@@ -22,8 +22,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._patch.inspect import ManagedParam, managed_params
 from fsdp_precision._policy.scope import ModelScopedPolicy
+
+if TYPE_CHECKING:
+    from fsdp_precision._patch.inspect import ManagedParam
 
 __all__ = [
     "Dtype",
@@ -116,6 +118,9 @@ def weight_entries(model: nn.Module) -> tuple[list[WeightEntry], torch.dtype]:
     compute dtype. Local: reads the model and its FSDP state, gathers nothing."""
     if isinstance(model, DistributedDataParallel):  # names as DCP's: without ``module.``
         model = model.module
+    # lazy: importing the package loads no submodule of the patch package
+    from fsdp_precision._patch.inspect import managed_params
+
     managed = managed_params(model)
     units = _unit_prefixes(model)
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or ())

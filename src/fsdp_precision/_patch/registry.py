@@ -43,9 +43,14 @@ class _Registry:
         self.installed = list(replacements)
         self.traits = traits
         for owner, name, replacement in replacements:
+            # Whoever reads the installed function's source (the source check, doctor) reads
+            # torch's: inspect.unwrap follows __wrapped__, as for functools.wraps.
+            replacement.__wrapped__ = self.originals[(owner, name)]
             setattr(owner, name, replacement)
 
     def uninstall(self) -> None:
+        for _, _, replacement in self.installed:
+            replacement.__dict__.pop("__wrapped__", None)
         for (owner, name), function in list(self.originals.items()):
             setattr(owner, name, function)
         self.calls = 0
