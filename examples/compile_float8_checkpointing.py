@@ -17,6 +17,8 @@ boundary cast, so a compiled layer is one graph. On GPUs: drop ``use_cache`` and
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -91,3 +93,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter shutdown: gloo's threads can abort a rank that finished
