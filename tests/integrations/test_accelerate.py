@@ -18,10 +18,7 @@ uninterrupted run, and exports with accelerate's API and the library's.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,12 @@ from fsdp_precision.integrations import (
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support import ROOT
-from tests.support.harness import collect_cases, distributed_suite, fresh_accelerate_state
+from tests.support.harness import (
+    collect_cases,
+    distributed_suite,
+    fresh_accelerate_state,
+    run_example,
+)
 from tests.support.hf_models import deepseek_v3
 
 accelerate = pytest.importorskip(
@@ -313,17 +315,8 @@ def test_integration_helpers_refuse_what_they_cannot_take() -> None:
             pass
 
 
-def accelerate_example(*args: str) -> str:
-    """``examples/accelerate_qwen3_moe.py`` on 2 CPU ranks under torchrun; its stdout."""
-    from fsdp_precision._base.dist import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    script = str(ROOT / "examples" / "accelerate_qwen3_moe.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", script, *args]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out.stdout
+def accelerate_example(*args: object) -> str:
+    return run_example(ROOT / "examples" / "accelerate_qwen3_moe.py", *args)
 
 
 def test_save_state_resumes_bitwise_in_a_fresh_launch(tmp_path: Path) -> None:

@@ -22,10 +22,7 @@ exports (torchrun, three launches).
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,13 +37,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision._base.dist import free_port
 from fsdp_precision._policy.scope import ModelScopedPolicy
 from fsdp_precision.checkpoint import SAFE_GLOBALS
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support import ROOT
-from tests.support.harness import collect_cases, distributed_suite, torchrun_environment
+from tests.support.harness import (
+    collect_cases,
+    distributed_suite,
+    run_example,
+    torchrun_environment,
+)
 from tests.support.hf_models import deepseek_v3
 
 lightning = pytest.importorskip(
@@ -453,13 +454,8 @@ results, test_lightning = distributed_suite(2, __name__, CASES)
 EXAMPLE = str(ROOT / "examples" / "lightning_fabric_qwen3_moe.py")
 
 
-def launch(*args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", EXAMPLE, *args]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out.stdout
+def launch(*args: object) -> str:
+    return run_example(EXAMPLE, *args)
 
 
 @pytest.mark.distributed

@@ -36,10 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,11 +50,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdp_precision._base.dist import free_port
 from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
-from tests.support.harness import collect_cases, distributed_suite
+from tests.support.harness import collect_cases, distributed_suite, run_example
 
 pytest.importorskip(
     "torchtitan.models.qwen3",
@@ -427,13 +423,8 @@ results, test_torchtitan = distributed_suite(2, __name__, CASES)
 # --------------------------------------------------------------- the example, in fresh launches
 
 
-def launch(*args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(_PATH), *args]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out.stdout
+def launch(*args: object) -> str:
+    return run_example(_PATH, *args)
 
 
 @pytest.mark.distributed

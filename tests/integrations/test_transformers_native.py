@@ -18,8 +18,6 @@ import copy
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,12 +30,16 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision._base.dist import free_port
 from fsdp_precision.integrations import transformers_native_fsdp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe, wrap_separate_units
 
 from tests.support import ROOT
-from tests.support.harness import collect_cases, distributed_suite, torchrun_environment
+from tests.support.harness import (
+    collect_cases,
+    distributed_suite,
+    run_example,
+    torchrun_environment,
+)
 from tests.support.hf_models import deepseek_v3
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -186,13 +188,7 @@ EXAMPLE = ROOT / "examples" / "transformers_native_qwen3_moe.py"
 
 
 def launch(*args: object) -> str:
-    """The example under ``torchrun`` on 2 CPU ranks; its stdout (it must succeed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*launcher, "--nproc_per_node=2", str(EXAMPLE), *map(str, args)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return run_example(EXAMPLE, *args)
 
 
 def digest(stdout: str) -> str:

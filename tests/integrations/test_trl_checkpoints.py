@@ -26,8 +26,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +33,10 @@ import pytest
 import torch
 
 import fsdp_precision as fp
-from fsdp_precision._base.dist import free_port
 from fsdp_precision.integrations import last_complete_checkpoint, trainer_fsdp_policy
 
 from tests.support import ROOT
+from tests.support.harness import run_example
 from tests.support.hf_models import deepseek_v3
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -116,14 +114,8 @@ def test_the_trainer_arguments_pickle_with_the_policy_in_them() -> None:
 # ---------------------------------------------------------------------- the launches
 
 
-def launch(*args: str | Path) -> str:
-    """The example under ``torchrun`` on 2 CPU ranks; its stdout (it must succeed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*launcher, "--nproc_per_node=2", str(EXAMPLE), *map(str, args)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+def launch(*args: object) -> str:
+    return run_example(EXAMPLE, *args)
 
 
 @dataclass(frozen=True)

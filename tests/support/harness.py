@@ -158,3 +158,16 @@ def unpatched() -> Iterator[None]:
         yield
     finally:
         fp.apply_param_dtype_map_patch()
+
+
+def run_example(script: str | Path, *args: object, nproc: int = 2, timeout: int = 600) -> str:
+    """A script under ``torchrun --standalone`` on ``nproc`` CPU ranks, one thread each; its
+    stdout. It must succeed (the assertion shows the end of its output)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command = [*launcher, f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
