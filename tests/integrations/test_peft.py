@@ -167,7 +167,9 @@ def case_export_is_the_adapter_peft_loads_and_saves() -> None:
         for name, tensor in theirs.items():
             assert tensor.dtype == ours[name].dtype and torch.equal(tensor, ours[name]), name
         config = json.loads((out / "adapter_config.json").read_text())
-        assert config == json.loads((root / "peft" / "adapter_config.json").read_text())
+        expected = json.loads((root / "peft" / "adapter_config.json").read_text())
+        differ = {k: (config.get(k), expected.get(k)) for k in {*config, *expected}}
+        assert config == expected, {k: v for k, v in differ.items() if v[0] != v[1]}
         # Negative control: the untrained adapters differ, so the equalities above need the
         # trained values.
         assert not any(torch.equal(p, trained[n]) for n, p in lora_model().named_parameters()
