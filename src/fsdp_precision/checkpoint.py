@@ -24,6 +24,7 @@ from fsdp_precision._base.errors import (
     CheckpointReadError,
     CheckpointWriteError,
     StateDictMismatchError,
+    UnsafeCheckpointError,
 )
 from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE
 from fsdp_precision._edges.checkpoint.metadata import read_checkpoint_metadata
@@ -62,6 +63,7 @@ __all__ = [
     "RecordedCast",
     "StateDictMismatchError",
     "StateDictType",
+    "UnsafeCheckpointError",
     "export_safetensors",
     "latest_checkpoint",
     "load_checkpoint",

@@ -12,6 +12,7 @@ __all__ = [
     "PatchIntegrityError",
     "RankMismatchError",
     "StateDictMismatchError",
+    "UnsafeCheckpointError",
     "UnsupportedTorchError",
 ]
 
@@ -61,6 +62,12 @@ class CheckpointNotFoundError(CheckpointError):
 class CheckpointReadError(CheckpointError):
     """A checkpoint's files cannot be read or parsed: corrupt or foreign metadata, a missing or
     damaged DCP file. Wraps the underlying error (``__cause__``) where there is one."""
+
+
+class UnsafeCheckpointError(CheckpointReadError):
+    """A checkpoint holds something other than tensors and data: its DCP metadata or a stored
+    value would have to run code (a global outside the allow-list) to be read, or it names a
+    file outside its directory. Nothing of it was executed, and nothing was loaded."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

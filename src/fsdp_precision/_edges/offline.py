@@ -26,11 +26,17 @@ from fsdp_precision._edges.checkpoint.collective import (
     describe,
     single_process,
 )
-from fsdp_precision._edges.checkpoint.metadata import MODEL, read_metadata, saved_tensors
+from fsdp_precision._edges.checkpoint.metadata import (
+    MODEL,
+    dcp_metadata,
+    read_metadata,
+    saved_tensors,
+)
 from fsdp_precision._edges.entries import Dtype, WeightEntry
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
 from fsdp_precision._edges.record import parse_casts
 from fsdp_precision._edges.stream import WeightStream, plan_stream
+from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
 
 __all__ = ["checkpoint_stream"]
 
@@ -44,6 +50,7 @@ def _natural(name: str) -> list[Any]:
 def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[WeightStream, Layout]:
     """The stream of checkpoint ``path``'s model tensors (with its recorded casts), its layout."""
     meta = read_metadata(path)
+    check_files(path, dcp_metadata(path))  # nothing read before every file checks out
     precision = meta.get("precision") or {}
     kept = precision.get("kept")
     if kept is None and dtype != "stored":
@@ -84,7 +91,13 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
         template = {e.name: torch.empty(e.shape, dtype=e.storage) for e in group}
         try:
             with single_process():
-                dcp_load({MODEL: template}, checkpoint_id=path, no_dist=True)
+                dcp_load(
+                    {MODEL: template},
+                    checkpoint_id=path,
+                    no_dist=True,
+                    storage_reader=TrustedReader(path),
+                    planner=TrustedLoadPlanner(),
+                )
         except (OSError, CheckpointException) as err:
             raise CheckpointReadError(
                 f"cannot read the model tensors of checkpoint '{path}' ({describe(err)}); a "

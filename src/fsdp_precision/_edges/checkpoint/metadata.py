@@ -10,17 +10,19 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_precision._base.errors import CheckpointNotFoundError, CheckpointReadError
 from fsdp_precision._base.version import __version__
 from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE, recover, write_json
 from fsdp_precision._edges.checkpoint.state import StateDictType
+from fsdp_precision._trust.reader import METADATA_NAME
+from fsdp_precision._trust.unpickle import load_metadata
 
 __all__ = [
     "MODEL",
     "OPTIM",
+    "dcp_metadata",
     "read_checkpoint_metadata",
     "read_metadata",
     "saved_tensors",
@@ -106,6 +108,13 @@ def write_metadata(
     write_json(path / METADATA_FILE, meta)
 
 
+def dcp_metadata(path: Path) -> Any:
+    """DCP's metadata of checkpoint ``path``, read as data only (nothing in it runs):
+    :class:`UnsafeCheckpointError` for anything else, :class:`CheckpointReadError` when it is
+    missing or damaged."""
+    return load_metadata(path / METADATA_NAME)
+
+
 #: A saved tensor's global shape and dtype.
 SavedTensor = tuple[tuple[int, ...], torch.dtype]
 
@@ -113,16 +122,9 @@ SavedTensor = tuple[tuple[int, ...], torch.dtype]
 def saved_tensors(path: Path, prefix: str = MODEL) -> dict[str, SavedTensor]:
     """Shape and dtype of every tensor saved under the top-level key ``prefix``, by inner key.
 
-    Reads DCP's ``.metadata`` file; :class:`CheckpointReadError` when it is missing or damaged.
+    Reads DCP's ``.metadata`` file through the allow-list (:func:`dcp_metadata`).
     """
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any failure to unpickle means a damaged file
-        raise CheckpointReadError(
-            f"cannot read the DCP metadata of checkpoint '{path}' ({err!r}); the checkpoint is "
-            "damaged or was not written by torch.distributed.checkpoint: load an earlier one, "
-            "or save it again"
-        ) from err
+    metadata = dcp_metadata(path)
     mapping = metadata.planner_data or {}
     found: dict[str, SavedTensor] = {}
     for flat_key, meta in metadata.state_dict_metadata.items():

@@ -32,7 +32,13 @@ from fsdp_precision._edges.checkpoint.collective import (
     rank_world,
     single_process,
 )
-from fsdp_precision._edges.checkpoint.metadata import MODEL, OPTIM, read_metadata, saved_tensors
+from fsdp_precision._edges.checkpoint.metadata import (
+    MODEL,
+    OPTIM,
+    dcp_metadata,
+    read_metadata,
+    saved_tensors,
+)
 from fsdp_precision._edges.checkpoint.state import (
     StateDictType,
     check_type,
@@ -41,6 +47,7 @@ from fsdp_precision._edges.checkpoint.state import (
 )
 from fsdp_precision._edges.layouts import layout_for
 from fsdp_precision._edges.record import precision_record
+from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -201,11 +208,15 @@ def load_checkpoint(
     ``state_dict_type`` to insist on one type (:class:`CheckpointError` on the other).
 
     Checked first, on every rank, before anything is loaded: a missing or incomplete checkpoint
-    raises :class:`CheckpointNotFoundError`, corrupt metadata :class:`CheckpointReadError`,
-    model keys and shapes that differ from the checkpoint's :class:`StateDictMismatchError`
-    listing them. A saved tensor whose dtype differs from the destination's is cast on load (the
-    destination keeps its dtype). A DCP file that cannot be read while loading raises
-    :class:`CheckpointReadError`; the model and optimizer may then be partly loaded.
+    raises :class:`CheckpointNotFoundError`, corrupt metadata or a missing or truncated data
+    file :class:`CheckpointReadError`, model keys and shapes that differ from the checkpoint's
+    :class:`StateDictMismatchError` listing them, and anything that is not tensors and data (a
+    crafted ``.metadata`` or stored value, a file outside the directory)
+    :class:`UnsafeCheckpointError`: nothing a checkpoint holds is run (its pickled parts are read
+    through an allow-list, stored values with ``weights_only=True``). A saved tensor whose dtype
+    differs from the destination's is cast on load (the destination keeps its dtype). A DCP file
+    that cannot be read while loading raises :class:`CheckpointReadError`; the model and
+    optimizer may then be partly loaded.
     Returns the checkpoint's metadata (``step``, ``state_dict_type``, ``world_size``, ...).
     """
     if state_dict_type is not None:
@@ -229,13 +240,20 @@ def load_checkpoint(
             )
         saved = {k: shape for k, (shape, _) in saved_tensors(path, MODEL).items()}
         error = mismatch_error(f"checkpoint '{path}'", model_shapes(model), saved)
+        if error is None:
+            check_files(path, dcp_metadata(path))  # every file there, every stored value data
     except CheckpointError as exc:
         error = exc
     raise_collectively(error)
 
     state = _sharded_state(model, optimizer)
     try:
-        dcp_load(state, checkpoint_id=path)
+        dcp_load(
+            state,
+            checkpoint_id=path,
+            storage_reader=TrustedReader(path),
+            planner=TrustedLoadPlanner(),
+        )
     except (OSError, CheckpointException) as err:
         raise CheckpointReadError(
             f"cannot read checkpoint '{path}' ({describe(err)}); a file of the checkpoint is "
