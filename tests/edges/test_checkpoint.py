@@ -731,7 +731,8 @@ def test_failed_write_keeps_the_previous_checkpoint(
     saved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write that fails inside DCP (a full disk) raises CheckpointWriteError naming the
-    temporary directory, and the previous checkpoint stays loadable; the next save cleans up."""
+    temporary directory, removes its own partial directory (a full disk does not stay full),
+    and the previous checkpoint stays loadable."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     def full_disk(*args: Any, **kwargs: Any) -> Any:
@@ -747,6 +748,7 @@ def test_failed_write_keeps_the_previous_checkpoint(
         ) as info:
             save_over(saved)
     assert isinstance(info.value.__cause__, CheckpointException)
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]  # no ck.tmp-<id> left
     assert load_checkpoint(saved, *linear(1))["step"] == 1
     save_over(saved)  # the negative control: the same save, with a disk that works
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -24,7 +25,14 @@ from fsdp_precision._base.errors import (
     CheckpointWriteError,
 )
 
-__all__ = ["METADATA_FILE", "prepare_target", "recover", "swap_into_place", "write_json"]
+__all__ = [
+    "METADATA_FILE",
+    "is_own_leftover",
+    "prepare_target",
+    "recover",
+    "swap_into_place",
+    "write_json",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +45,16 @@ _VERBS = {"checkpoint": "save_checkpoint", "export": "export_safetensors"}
 
 
 def _siblings(target: Path, tag: str) -> list[Path]:
+    """The directories a save of ``target`` names ``<target>.<tag>-<12 hex>``: only those (a
+    user's ``<target>.tmp-mine`` is not one)."""
     if not target.parent.is_dir():
         return []
-    prefix = f"{target.name}.{tag}-"
+    own = re.compile(re.escape(f"{target.name}.{tag}-") + r"[0-9a-f]{12}")
     try:
         return sorted(
-            p for p in target.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()
+            p
+            for p in target.parent.iterdir()
+            if own.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
         )
     except OSError as err:
         raise CheckpointReadError(
@@ -53,6 +65,18 @@ def _siblings(target: Path, tag: str) -> list[Path]:
 
 def _complete(path: Path, marker: str = METADATA_FILE) -> bool:
     return (path / marker).is_file()
+
+
+_LEFTOVER = re.compile(r"(?P<target>.+)\.(tmp|old)-[0-9a-f]{12}")
+
+
+def is_own_leftover(path: Path) -> str | None:
+    """The target name when ``path`` is a directory an interrupted save or export left
+    (``<target>.tmp-<12 hex>`` / ``.old-<12 hex>``), else None."""
+    match = _LEFTOVER.fullmatch(path.name)
+    if match is None or not path.is_dir() or path.is_symlink():
+        return None
+    return match.group("target")
 
 
 def recover(target: Path, marker: str = METADATA_FILE) -> Path:

@@ -74,7 +74,32 @@ def read_metadata(path: Path) -> dict[str, Any]:
             f"'{meta_path}' lacks the field(s) {absent}; the checkpoint's metadata is damaged: "
             "load an earlier checkpoint, or save this one again"
         )
+    wrong = [
+        f"{k}={meta.get(k)!r}" for k, valid in _FIELDS.items() if k in meta and not valid(meta[k])
+    ]
+    if wrong:
+        raise CheckpointReadError(
+            f"'{meta_path}' has field(s) of the wrong type or range: {', '.join(wrong)}; the "
+            "checkpoint's metadata is damaged or foreign: load an earlier checkpoint, or save "
+            "this one again"
+        )
     return cast(dict[str, Any], meta)
+
+
+def _int(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+#: Each field's check: what a marker this release writes holds.
+_FIELDS: dict[str, Any] = {
+    "format_version": lambda v: _int(v, 1) and v <= _FORMAT_VERSION,
+    "state_dict_type": lambda v: v in ("full", "sharded"),
+    "step": lambda v: v is None or _int(v, 0),
+    "world_size": lambda v: _int(v, 1),
+    "has_optimizer": lambda v: isinstance(v, bool),
+    "extra": lambda v: isinstance(v, dict),
+    "precision": lambda v: isinstance(v, dict),
+}
 
 
 def write_metadata(

@@ -29,11 +29,12 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._base.errors import CheckpointError
-from fsdp_precision._edges.checkpoint.atomic import recover
+from fsdp_precision._edges.checkpoint.atomic import is_own_leftover, recover
 from fsdp_precision._edges.checkpoint.collective import barrier, from_rank0, rank_world
-from fsdp_precision._edges.checkpoint.metadata import read_metadata
+from fsdp_precision._edges.checkpoint.metadata import dcp_metadata, read_metadata
 from fsdp_precision._edges.checkpoint.save_load import load_checkpoint, save_checkpoint
 from fsdp_precision._edges.checkpoint.state import StateDictType
+from fsdp_precision._trust.reader import check_files
 
 __all__ = ["latest_checkpoint", "resume_from_latest", "save_step", "step_checkpoints"]
 
@@ -57,6 +58,9 @@ def step_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
         match = _STEP.fullmatch(child.name)
         if match is None:
             continue
+        if child.is_symlink():  # a step is a directory of the root, not a way out of it
+            logger.warning("skipping %s: a symbolic link, not a checkpoint of %s", child, path)
+            continue
         try:
             read_metadata(recover(child))
         except CheckpointError:
@@ -66,9 +70,28 @@ def step_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete step checkpoint under ``root``, or ``None``. Local: no collective."""
-    found = step_checkpoints(root)
-    return found[-1][1] if found else None
+    """The newest step checkpoint under ``root`` that passes every check a load makes first
+    (its marker's fields, DCP's metadata read as data, every data file there with its bytes),
+    or ``None``. A newer step that fails them is skipped with a warning. Local: no collective."""
+    return _newest_loadable(root)[0]
+
+
+def _newest_loadable(
+    root: str | os.PathLike[str],
+) -> tuple[Path | None, list[tuple[Path, CheckpointError]]]:
+    """The newest loadable step, and the newer ones skipped with why."""
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for _, path in reversed(step_checkpoints(root)):
+        try:
+            checked = recover(path)
+            read_metadata(checked)
+            check_files(checked, dcp_metadata(checked))
+        except CheckpointError as err:
+            logger.warning("skipping step checkpoint %s: %s", path, err)
+            skipped.append((path, err))
+            continue
+        return path, skipped
+    return None, skipped
 
 
 def save_step(
@@ -107,16 +130,19 @@ def save_step(
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete the complete step checkpoints older than the newest ``keep_last``, and what
+    interrupted saves of older steps left (``step-<N>.tmp-<id>``, ``.old-<id>``): only
+    directories this library names so, never ``step-<N>.hf`` or anything else beside them."""
     complete = step_checkpoints(root)
     for _, path in complete[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
     if not complete:
         return
     newest = complete[-1][0]
-    for child in root.iterdir():  # leftovers of interrupted saves of older steps
-        name, _, tag = child.name.partition(".")
-        match = _STEP.fullmatch(name)
-        if tag and match is not None and int(match.group(1)) < newest:
+    for child in root.iterdir():
+        target = is_own_leftover(child)
+        match = _STEP.fullmatch(target) if target is not None else None
+        if match is not None and int(match.group(1)) < newest:
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -125,10 +151,23 @@ def resume_from_latest(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any] | None:
-    """Load the newest complete step checkpoint under ``root`` into ``model`` (and
+    """Load the newest loadable step checkpoint under ``root`` into ``model`` (and
     ``optimizer``) and return its metadata (``step``, ``extra``, ...); ``None`` when there is
-    none (a first start). Collective: rank 0 chooses the checkpoint, every rank loads it."""
-    chosen = from_rank0(latest_checkpoint(root) if rank_world()[0] == 0 else None)
+    none (a first start). Collective: rank 0 chooses the checkpoint, every rank loads it.
+
+    A newer step that fails the checks a load makes first (a damaged, truncated or crafted
+    one) is skipped with a warning, and the newest one that passes is loaded. When there are
+    step checkpoints and none passes, the newest one's error is raised on every rank: a run
+    never starts afresh over checkpoints it could not read."""
+    chosen: Path | None = None
+    error: CheckpointError | None = None
+    if rank_world()[0] == 0:
+        chosen, skipped = _newest_loadable(root)
+        if chosen is None and skipped:
+            error = skipped[0][1]
+    chosen, error = from_rank0((chosen, error))
+    if error is not None:
+        raise error
     if chosen is None:
         return None
     meta = load_checkpoint(chosen, model, optimizer)

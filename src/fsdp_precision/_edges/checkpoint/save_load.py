@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -124,7 +125,12 @@ def save_checkpoint(
             )
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)
-    raise_collectively(error)  # also the barrier: every rank's shards are written
+    try:
+        raise_collectively(error)  # also the barrier: every rank's shards are written
+    except CheckpointError:
+        if rank == 0:  # its own partial directory: a full disk does not stay full
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
         try:
             swap_into_place(tmp, target)
