@@ -99,6 +99,7 @@ _FIELDS: dict[str, Any] = {
     "has_optimizer": lambda v: isinstance(v, bool),
     "extra": lambda v: isinstance(v, dict),
     "precision": lambda v: isinstance(v, dict),
+    "optimizer_stateless": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
 
 
@@ -111,6 +112,7 @@ def write_metadata(
     has_optimizer: bool,
     extra: Mapping[str, Any] | None = None,
     precision: Mapping[str, Any] | None = None,
+    optimizer_stateless: list[str] | None = None,
 ) -> None:
     """Write the marker that completes the checkpoint directory ``path`` (atomically, last).
 
@@ -120,6 +122,7 @@ def write_metadata(
     meta = {
         "extra": dict(extra or {}),
         "precision": dict(precision or {}),
+        "optimizer_stateless": list(optimizer_stateless or []),
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
         "state_dict_type": kind,

@@ -46,6 +46,7 @@ from fsdp_precision._edges.checkpoint.state import (
     mismatch_error,
     model_shapes,
 )
+from fsdp_precision._edges.entries import strip_wrappers
 from fsdp_precision._edges.layouts import layout_for
 from fsdp_precision._edges.record import precision_record
 from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
@@ -108,7 +109,7 @@ def save_checkpoint(
         raise error
     tmp = cast(Path, tmp)
 
-    error = _write_state(tmp, model, optimizer, kind)
+    error, stateless = _write_state(tmp, model, optimizer, kind)
     if rank == 0 and error is None:
         try:
             layout = layout_for(model)
@@ -122,6 +123,7 @@ def save_checkpoint(
                 has_optimizer=optimizer is not None,
                 extra=extra,
                 precision=precision_record(model, layout.name),
+                optimizer_stateless=stateless,
             )
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)
@@ -169,9 +171,11 @@ def _write_error(what: str, cause: BaseException) -> CheckpointWriteError:
 
 def _write_state(
     tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, kind: StateDictType
-) -> CheckpointWriteError | None:
+) -> tuple[CheckpointWriteError | None, list[str]]:
     """Every rank: write the state into ``tmp`` (DCP raises a write failure on every rank for
-    ``"sharded"``; for ``"full"`` only rank 0 writes, and only rank 0 can fail)."""
+    ``"sharded"``; for ``"full"`` only rank 0 writes, and only rank 0 can fail). Also returns
+    the parameters the optimizer holds no state for (no gradient yet: an expert no token
+    reached, an unused head), which a load must leave without state."""
     rank, _ = rank_world()
     if kind == "sharded":
         state = _sharded_state(model, optimizer)
@@ -182,6 +186,7 @@ def _write_state(
         else:
             msd, osd = get_state_dict(model, optimizer, options=options)
             state = {MODEL: msd, OPTIM: osd}
+    stateless = _stateless(state.get(OPTIM))
     try:
         if kind == "sharded":
             dcp_save(state, checkpoint_id=tmp)
@@ -189,8 +194,27 @@ def _write_state(
             with single_process():
                 dcp_save(state, checkpoint_id=tmp, no_dist=True)
     except (OSError, CheckpointException) as err:
-        return _write_error(f"cannot write checkpoint '{tmp}' ({describe(err)})", err)
-    return None
+        return _write_error(f"cannot write checkpoint '{tmp}' ({describe(err)})", err), stateless
+    return None, stateless
+
+
+def _drop_state(model: nn.Module, optimizer: torch.optim.Optimizer, fqns: list[str]) -> None:
+    """Remove the state loading gave the parameters saved without one (DCP initialises every
+    parameter's state before it loads), so the next step treats them as the saved run did."""
+    if not fqns:
+        return
+    wanted = set(fqns)
+    for name, param in model.named_parameters():
+        if strip_wrappers(name) in wanted:
+            optimizer.state.pop(param, None)
+
+
+def _stateless(osd: Any) -> list[str]:
+    """The parameters of an optimizer state dict (DCP's, keyed by FQN) that have no state."""
+    if not isinstance(osd, dict) or not osd.get("param_groups"):
+        return []
+    state = osd.get("state", {})
+    return sorted(f for g in osd["param_groups"] for f in g.get("params", ()) if f not in state)
 
 
 def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -253,6 +277,9 @@ def load_checkpoint(
     raise_collectively(error)
 
     state = _sharded_state(model, optimizer)
+    if optimizer is not None:  # saved without state: restored without state, as it was
+        for fqn in meta.get("optimizer_stateless", ()):
+            state[OPTIM]["state"].pop(fqn, None)
     try:
         dcp_load(
             state,
@@ -270,9 +297,16 @@ def load_checkpoint(
     if optimizer is None:
         set_model_state_dict(model, state[MODEL])
     else:
+        stateless = list(meta.get("optimizer_stateless", ()))
         set_state_dict(
-            model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM]
+            model,
+            optimizer,
+            model_state_dict=state[MODEL],
+            optim_state_dict=state[OPTIM],
+            # the model's keys were checked above; stateless parameters have no entry
+            options=StateDictOptions(strict=not stateless),
         )
+        _drop_state(model, optimizer, stateless)
     rank, _ = rank_world()
     if rank == 0:
         kind, step = meta["state_dict_type"], meta["step"]
