@@ -33,6 +33,7 @@ from fsdp_precision.checkpoint import (
     save_checkpoint,
 )
 
+from tests.support import requires_export
 from tests.support.harness import check, run_cases
 from tests.support.hf_models import tiny_qwen3_moe, wan
 
@@ -65,6 +66,7 @@ def mixed_qwen() -> nn.Module:
 
 
 @pytest.mark.fast
+@requires_export
 def test_transformers_layout_shards_loads_and_restores(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +97,7 @@ def test_transformers_layout_shards_loads_and_restores(tmp_path: Path) -> None:
 
 
 @pytest.mark.fast
+@requires_export
 def test_diffusers_layout_loads(tmp_path: Path) -> None:
     pytest.importorskip("diffusers")
     from diffusers import WanTransformer3DModel
@@ -116,6 +119,7 @@ def test_diffusers_layout_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.fast
+@requires_export
 def test_plain_layout_and_a_layout_the_model_is_not(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
     export_safetensors(model, tmp_path / "plain")
@@ -160,6 +164,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.fast
+@requires_export
 def test_a_foreign_directory_is_refused_untouched(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -171,6 +176,7 @@ def test_a_foreign_directory_is_refused_untouched(tmp_path: Path) -> None:
 
 
 @pytest.mark.fast
+@requires_export
 def test_an_earlier_export_is_replaced_and_files_others_added_are_kept(tmp_path: Path) -> None:
     out = tmp_path / "out"
     export_safetensors(nn.Linear(2, 2), out)
@@ -185,6 +191,7 @@ def test_an_earlier_export_is_replaced_and_files_others_added_are_kept(tmp_path:
 
 
 @pytest.mark.fast
+@requires_export
 def test_a_user_file_the_export_would_overwrite_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "out"
     export_safetensors(nn.Linear(2, 2), out, layout="plain")
@@ -198,6 +205,7 @@ def test_a_user_file_the_export_would_overwrite_is_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.fast
+@requires_export
 def test_a_failed_export_leaves_the_previous_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,6 +244,7 @@ RECORD_DAMAGE = [
 
 
 @pytest.mark.fast
+@requires_export
 @pytest.mark.parametrize(
     ("field", "value", "message"), RECORD_DAMAGE, ids=[d[0] for d in RECORD_DAMAGE]
 )
@@ -250,6 +259,7 @@ def test_a_damaged_record_is_refused(tmp_path: Path, field: str, value: Any, mes
 
 
 @pytest.mark.fast
+@requires_export
 def test_restore_refuses_before_touching_the_model(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match=r"holds no fsdp_precision_export\.json"):
         restore_kept(nn.Linear(2, 2), tmp_path)
@@ -356,6 +366,7 @@ def test_two_ranks(results: dict[str, str], case: str) -> None:
 
 
 @pytest.mark.fast
+@requires_export
 def test_weights_files_are_readable_as_the_umask_says(tmp_path: Path) -> None:
     export_safetensors(nn.Linear(2, 2), tmp_path / "out")
     config_mode = (tmp_path / "out" / EXPORT_RECORD).stat().st_mode & 0o777  # made by open()

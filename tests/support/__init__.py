@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 #: The repository root (the ``PYTHONPATH`` of subprocesses that import ``tests.support``).
 ROOT = Path(__file__).resolve().parents[2]
+
+#: ``export_safetensors`` writes with safetensors and huggingface_hub (the ``hf`` extra); the
+#: wheel's CI venv installs only ``[test]``, where the tests that export skip, saying so.
+requires_export = pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p in ("safetensors", "huggingface_hub")),
+    reason="export_safetensors needs safetensors and huggingface_hub: pip install '.[hf]'",
+)
 
 
 def load_script(relative: str) -> ModuleType:

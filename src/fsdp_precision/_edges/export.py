@@ -26,7 +26,7 @@ from fsdp_precision._edges.checkpoint.atomic import (
 )
 from fsdp_precision._edges.checkpoint.collective import from_rank0, rank_world
 from fsdp_precision._edges.entries import Dtype, check_dtype
-from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
+from fsdp_precision._edges.layouts import Layout, LayoutName, check_layout_name, layout_for
 from fsdp_precision._edges.offline import checkpoint_stream
 from fsdp_precision._edges.record import (
     EXPORT_RECORD,
@@ -81,6 +81,7 @@ def export_safetensors(
     size = check_shard_size(max_shard_size)
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise ValueError(f"step={step!r} is not an int; pass the training step, or None")
+    check_layout_name(layout)
     out = Path(out_dir).absolute()
     _require(out)
     if isinstance(source, nn.Module):

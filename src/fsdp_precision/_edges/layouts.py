@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["Layout", "LayoutName", "layout_for", "unwrapped_class"]
+__all__ = ["Layout", "LayoutName", "check_layout_name", "layout_for", "unwrapped_class"]
 
 LayoutName = Literal["auto", "transformers", "diffusers", "peft", "plain"]
 _NAMES = ("auto", "transformers", "diffusers", "peft", "plain")
@@ -70,15 +70,20 @@ def _is(model: nn.Module, package: str, base: str) -> bool:
     return any(c.__module__.startswith(package) and c.__name__ == base for c in type(model).__mro__)
 
 
-def layout_for(model: nn.Module, layout: object = "auto") -> Layout:
-    """The layout for ``model`` (``"auto"``: PEFT for a ``PeftModel``, transformers for a
-    ``PreTrainedModel``, Diffusers for a ``ModelMixin``, else plain). ``ValueError`` for an
-    unknown name or a layout the model is not."""
+def check_layout_name(layout: object) -> None:
+    """``ValueError`` unless ``layout`` names a layout."""
     if layout not in _NAMES:
         raise ValueError(
             f"layout={layout!r} is not a layout; pass one of {list(_NAMES)} ('auto' picks the "
             "model's own)"
         )
+
+
+def layout_for(model: nn.Module, layout: object = "auto") -> Layout:
+    """The layout for ``model`` (``"auto"``: PEFT for a ``PeftModel``, transformers for a
+    ``PreTrainedModel``, Diffusers for a ``ModelMixin``, else plain). ``ValueError`` for an
+    unknown name or a layout the model is not."""
+    check_layout_name(layout)
     kinds = {name: _is(model, *base) for name, base in _BASES.items()}
     if layout == "auto":
         layout = next((k for k, found in kinds.items() if found), "plain")
