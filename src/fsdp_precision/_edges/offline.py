@@ -26,6 +26,7 @@ from fsdp_precision._edges.checkpoint.collective import (
     describe,
     single_process,
 )
+from fsdp_precision._edges.checkpoint.integrity import verify_checksums
 from fsdp_precision._edges.checkpoint.metadata import (
     MODEL,
     dcp_metadata,
@@ -51,6 +52,9 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
     """The stream of checkpoint ``path``'s model tensors (with its recorded casts), its layout."""
     meta = read_metadata(path)
     check_files(path, dcp_metadata(path))  # nothing read before every file checks out
+    error = verify_checksums(meta.get("checksums"), path, path, collective=False)
+    if error is not None:
+        raise error
     precision = meta.get("precision") or {}
     kept = precision.get("kept")
     if kept is None and dtype != "stored":

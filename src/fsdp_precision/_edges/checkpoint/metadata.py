@@ -113,6 +113,7 @@ def write_metadata(
     extra: Mapping[str, Any] | None = None,
     precision: Mapping[str, Any] | None = None,
     optimizer_stateless: list[str] | None = None,
+    checksums: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the marker that completes the checkpoint directory ``path`` (atomically, last).
 
@@ -123,6 +124,7 @@ def write_metadata(
         "extra": dict(extra or {}),
         "precision": dict(precision or {}),
         "optimizer_stateless": list(optimizer_stateless or []),
+        "checksums": dict(checksums) if checksums is not None else None,
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
         "state_dict_type": kind,

@@ -33,6 +33,7 @@ from fsdp_precision._edges.checkpoint.collective import (
     rank_world,
     single_process,
 )
+from fsdp_precision._edges.checkpoint.integrity import record_checksums, verify_checksums
 from fsdp_precision._edges.checkpoint.metadata import (
     MODEL,
     OPTIM,
@@ -49,6 +50,7 @@ from fsdp_precision._edges.checkpoint.state import (
 from fsdp_precision._edges.entries import strip_wrappers
 from fsdp_precision._edges.layouts import layout_for
 from fsdp_precision._edges.record import precision_record
+from fsdp_precision._trust.checksums import pinned, same_directory
 from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -64,6 +66,7 @@ def save_checkpoint(
     state_dict_type: StateDictType = "sharded",
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    checksums: bool = True,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) to ``checkpoint_dir`` atomically; return the path.
 
@@ -82,7 +85,10 @@ def save_checkpoint(
     versions, the model's kept tensors and boundary casts, and ``extra``: rank 0's
     JSON-serialisable data, e.g. the loss history) goes to ``METADATA_FILE``, written last. A
     transformers or Diffusers model also gets its ``config.json``, so that
-    :func:`export_safetensors` can lay the checkpoint out offline.
+    :func:`export_safetensors` can lay the checkpoint out offline. ``checksums``: the marker
+    records every file's checksum (BLAKE2b, each rank hashing a share), verified before any
+    load; ``False`` skips them for very large checkpoints (the cost:
+    ``benchmarks/bench_checkpoint.py``).
 
     Raises :class:`CheckpointError` for a bad ``state_dict_type`` or ``step``, and
     :class:`CheckpointWriteError` on every rank when anything cannot be written, or when
@@ -110,11 +116,20 @@ def save_checkpoint(
     tmp = cast(Path, tmp)
 
     error, stateless = _write_state(tmp, model, optimizer, kind)
+    layout = layout_for(model)
     if rank == 0 and error is None:
         try:
-            layout = layout_for(model)
             base = model.get_base_model() if layout.name == "peft" else model  # type: ignore[operator]
             layout_for(base).save_config(tmp, None)  # the model's config, for offline exports
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            error = _write_error(f"cannot write the config into '{tmp}' ({err!r})", err)
+    _cleanup_on_error(error, tmp)  # also the barrier: every rank's shards are written
+    sums: dict[str, Any] | None = None
+    if checksums:
+        sums, error = record_checksums(tmp)
+        _cleanup_on_error(error, tmp)
+    if rank == 0:
+        try:
             _metadata.write_metadata(
                 tmp,
                 kind,
@@ -124,15 +139,11 @@ def save_checkpoint(
                 extra=extra,
                 precision=precision_record(model, layout.name),
                 optimizer_stateless=stateless,
+                checksums=sums,
             )
         except Exception as err:  # noqa: BLE001 - raised on every rank below
             error = _write_error(f"cannot finish checkpoint '{tmp}' ({err!r})", err)
-    try:
-        raise_collectively(error)  # also the barrier: every rank's shards are written
-    except CheckpointError:
-        if rank == 0:  # its own partial directory: a full disk does not stay full
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _cleanup_on_error(error, tmp)
     if rank == 0:
         try:
             swap_into_place(tmp, target)
@@ -144,6 +155,102 @@ def save_checkpoint(
     if rank == 0:
         logger.info("saved %s checkpoint (step %s) to %s", kind, step, target)
     return target
+
+
+def _checked(
+    path: Path,
+    through: Path,
+    inode: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state_dict_type: StateDictType | None,
+) -> tuple[dict[str, Any], CheckpointError | None]:
+    """What a load checks before it touches anything: the marker, the request, the keys and
+    shapes, every data file and stored value, this rank's share of the checksums (through the
+    pinned directory), and that no save replaced the directory meanwhile."""
+    meta: dict[str, Any] = {}
+    try:
+        meta = read_metadata(path)
+        if state_dict_type is not None and meta["state_dict_type"] != state_dict_type:
+            raise CheckpointError(
+                f"checkpoint '{path}' is a {meta['state_dict_type']!r} checkpoint, but "
+                f"state_dict_type={state_dict_type!r} was requested; pass "
+                f"state_dict_type={meta['state_dict_type']!r} (or None to accept either)"
+            )
+        if optimizer is not None and not meta["has_optimizer"]:
+            raise CheckpointError(
+                f"checkpoint '{path}' has no optimizer state, but an optimizer was passed; pass "
+                "optimizer=None, or save with save_checkpoint(..., optimizer=...)"
+            )
+        saved = {k: shape for k, (shape, _) in saved_tensors(path, MODEL).items()}
+        mismatch = mismatch_error(f"checkpoint '{path}'", model_shapes(model), saved)
+        if mismatch is not None:
+            return meta, mismatch
+        check_files(path, dcp_metadata(path))  # every file there, every stored value data
+        replaced = CheckpointReadError(
+            f"checkpoint '{path}' was replaced while it was being checked (a save to the same "
+            "directory); nothing was loaded: load it again"
+        )
+        if not same_directory(path, inode):
+            return meta, replaced
+        error = verify_checksums(meta.get("checksums"), through, path)
+        if not same_directory(path, inode):
+            return meta, replaced
+        return meta, error
+    except CheckpointError as exc:
+        return meta, exc
+
+
+def _read_into(
+    through: Path,
+    path: Path,
+    meta: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Every rank: the checked checkpoint, read through the pinned directory, into the model."""
+    state = _sharded_state(model, optimizer)
+    stateless = list(meta.get("optimizer_stateless", ()))
+    if optimizer is not None:  # saved without state: restored without state, as it was
+        for fqn in stateless:
+            state[OPTIM]["state"].pop(fqn, None)
+    try:
+        dcp_load(
+            state,
+            checkpoint_id=through,
+            storage_reader=TrustedReader(through),
+            planner=TrustedLoadPlanner(),
+        )
+    except (OSError, CheckpointException) as err:
+        raise CheckpointReadError(
+            f"cannot read checkpoint '{path}' ({describe(err)}); a file of the checkpoint is "
+            "missing or damaged, or the optimizer does not match the saved one. The model and "
+            "optimizer may be partly loaded: build them afresh, then load an earlier checkpoint "
+            "(or the matching optimizer)"
+        ) from err
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL])
+        return
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state[MODEL],
+        optim_state_dict=state[OPTIM],
+        # the model's keys were checked above; stateless parameters have no entry
+        options=StateDictOptions(strict=not stateless),
+    )
+    _drop_state(model, optimizer, stateless)
+
+
+def _cleanup_on_error(error: CheckpointError | None, tmp: Path) -> None:
+    """Raise the first rank's error on every rank, rank 0 removing its own partial directory
+    first (a full disk does not stay full)."""
+    try:
+        raise_collectively(error)
+    except CheckpointError:
+        if rank_world()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _check_extra(extra: object) -> None:
@@ -246,67 +353,25 @@ def load_checkpoint(
     through an allow-list, stored values with ``weights_only=True``). A saved tensor whose dtype
     differs from the destination's is cast on load (the destination keeps its dtype). A DCP file
     that cannot be read while loading raises :class:`CheckpointReadError`; the model and
-    optimizer may then be partly loaded.
-    Returns the checkpoint's metadata (``step``, ``state_dict_type``, ``world_size``, ...).
+    optimizer may then be partly loaded. The checksums the save recorded are verified first
+    (each rank a share), and the directory is read through a pinned handle: a save swapping a
+    new checkpoint into the same path meanwhile is refused before anything is loaded, or does
+    not reach the load (Linux), never mixed into it. Returns the checkpoint's metadata
+    (``step``, ``state_dict_type``, ``world_size``, ...).
     """
     if state_dict_type is not None:
         check_type(state_dict_type)
+    path = Path(checkpoint_dir).absolute()
     error: CheckpointError | None = None
-    meta: dict[str, Any] = {}
-    path = Path(checkpoint_dir)
     try:
-        path = recover(path.absolute())
-        meta = read_metadata(path)
-        if state_dict_type is not None and meta["state_dict_type"] != state_dict_type:
-            raise CheckpointError(
-                f"checkpoint '{path}' is a {meta['state_dict_type']!r} checkpoint, but "
-                f"state_dict_type={state_dict_type!r} was requested; pass "
-                f"state_dict_type={meta['state_dict_type']!r} (or None to accept either)"
-            )
-        if optimizer is not None and not meta["has_optimizer"]:
-            raise CheckpointError(
-                f"checkpoint '{path}' has no optimizer state, but an optimizer was passed; pass "
-                "optimizer=None, or save with save_checkpoint(..., optimizer=...)"
-            )
-        saved = {k: shape for k, (shape, _) in saved_tensors(path, MODEL).items()}
-        error = mismatch_error(f"checkpoint '{path}'", model_shapes(model), saved)
-        if error is None:
-            check_files(path, dcp_metadata(path))  # every file there, every stored value data
+        path = recover(path)
     except CheckpointError as exc:
         error = exc
     raise_collectively(error)
-
-    state = _sharded_state(model, optimizer)
-    if optimizer is not None:  # saved without state: restored without state, as it was
-        for fqn in meta.get("optimizer_stateless", ()):
-            state[OPTIM]["state"].pop(fqn, None)
-    try:
-        dcp_load(
-            state,
-            checkpoint_id=path,
-            storage_reader=TrustedReader(path),
-            planner=TrustedLoadPlanner(),
-        )
-    except (OSError, CheckpointException) as err:
-        raise CheckpointReadError(
-            f"cannot read checkpoint '{path}' ({describe(err)}); a file of the checkpoint is "
-            "missing or damaged, or the optimizer does not match the saved one. The model and "
-            "optimizer may be partly loaded: build them afresh, then load an earlier checkpoint "
-            "(or the matching optimizer)"
-        ) from err
-    if optimizer is None:
-        set_model_state_dict(model, state[MODEL])
-    else:
-        stateless = list(meta.get("optimizer_stateless", ()))
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state[MODEL],
-            optim_state_dict=state[OPTIM],
-            # the model's keys were checked above; stateless parameters have no entry
-            options=StateDictOptions(strict=not stateless),
-        )
-        _drop_state(model, optimizer, stateless)
+    with pinned(path) as (through, inode):
+        meta, error = _checked(path, through, inode, model, optimizer, state_dict_type)
+        raise_collectively(error)
+        _read_into(through, path, meta, model, optimizer)
     rank, _ = rank_world()
     if rank == 0:
         kind, step = meta["state_dict_type"], meta["step"]
