@@ -234,14 +234,20 @@ def test_plan_table_for_module_callable_with_keep_rules() -> None:
         ("hf:no_such_arch", "transformers knows no model_type 'no_such_arch'"),
         ("nonsense", "is not hf:<model_type>, a directory with config.json, or module:callable"),
         ("tests.support.models:Nope", "cannot import Nope from tests.support.models"),
+        ("math:pi", "math.pi is a float, not a callable; pass module:factory"),
+        ("{bad_config}", "its config.json cannot be read (It looks like the config file"),
     ],
 )
-def test_plan_bad_model_is_one_line(model: str, message: str) -> None:
-    if model.startswith("hf:"):
+def test_plan_bad_model_is_one_line(model: str, message: str, tmp_path: Path) -> None:
+    """Each is the user's mistake: exit code 2 and one line (a crash would exit 1)."""
+    if model.startswith("hf:") or model == "{bad_config}":
         try:
             import transformers  # noqa: F401
         except ImportError:
             message = "needs Hugging Face transformers, which is not installed"
+    if model == "{bad_config}":
+        (tmp_path / "config.json").write_text("{not json")
+        model = str(tmp_path)
     out = run(*CLI, "plan", model)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

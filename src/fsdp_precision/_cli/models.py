@@ -50,7 +50,13 @@ def load_config(spec: str) -> Any:
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise ValueError(f"MODEL {spec!r} is a directory without config.json")
-    return AutoConfig.from_pretrained(str(path))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except OSError as exc:  # transformers' word for a config.json that is not JSON
+        raise ValueError(
+            f"MODEL {spec!r}: its config.json cannot be read ({exc}); fix the file, or pass "
+            "hf:<model_type>"
+        ) from exc
 
 
 def load_model(
@@ -91,6 +97,11 @@ def load_model(
         raise ValueError(
             f"MODEL {spec!r}: cannot import {attr} from {module_name} ({exc})"
         ) from exc
+    if not callable(factory):
+        raise ValueError(
+            f"MODEL {spec!r}: {module_name}.{attr} is a {type(factory).__name__}, not a callable; "
+            "pass module:factory, a function or class that returns an nn.Module"
+        )
     with torch.device(device):
         model = factory()
     if not isinstance(model, nn.Module):
