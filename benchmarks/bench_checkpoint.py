@@ -10,7 +10,8 @@ the state's total bytes (model + optimizer, all ranks) divided by that time.
 
 Variants (save, then load, into a fresh directory each time):
 
-- ``save_checkpoint(..., "sharded")`` / ``load_checkpoint``: every rank writes and reads its shards.
+- ``save_checkpoint(..., "sharded")`` / ``load_checkpoint``: every rank writes and reads its shards;
+  the save records every file's checksum and the load verifies them (the default).
 - ``save_checkpoint(..., "full")`` / ``load_checkpoint``: consolidated on rank 0, which writes;
   every rank reads its slices.
 - ``torch.save`` / ``torch.load`` of each rank's local shards (one file per rank): the floor.
@@ -18,8 +19,9 @@ Variants (save, then load, into a fresh directory each time):
   followed by ``load_model_state_dict``-free placement not timed either): raw serialisation.
 
 The files go to ``--dir`` (default: a temporary directory); reads are mostly served from the page
-cache. Prints a markdown table (rank 0). ``--smoke``: a tiny model and one iteration, the same
-code path, in seconds.
+cache. Prints a markdown table (rank 0), then what the checksums cost: sharded saves and loads
+with and without them (``checksums=False``), in pairs whose order alternates, as ratios.
+``--smoke``: a tiny model and one iteration, the same code path, in seconds.
 """
 
 from __future__ import annotations
@@ -167,11 +169,51 @@ def measure(rank: int, args: argparse.Namespace, base: str) -> None:
             s = statistics.median(times[name]["save"])
             ld = statistics.median(times[name]["load"])
             print(f"| {name} | {s:.3f} | {mb / s:.0f} | {ld:.3f} | {mb / ld:.0f} |")
+    ratios = checksum_cost(model, opt, fresh, fresh_opt, root, args.iters)
+    if rank == 0:
+        print(
+            f"\nchecksums (sharded; with/without, paired, order alternated, median of "
+            f"{args.iters}): save {ratios['save']:.2f}x, load {ratios['load']:.2f}x"
+        )
         print(
             f"\ncommand: python {' '.join(sys.argv)}\nmachine: {platform.machine()}, "
             f"{os.cpu_count()} cores, torch {torch.__version__}"
         )
     dist.barrier()
+
+
+def checksum_cost(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    fresh: nn.Module,
+    fresh_opt: torch.optim.Optimizer,
+    root: Path,
+    iters: int,
+) -> dict[str, float]:
+    """What the checksums cost: sharded saves and loads with and without them, run in pairs
+    whose order alternates (the first save after other work runs slower: a fixed order measured
+    1.6x between two identical variants), each ratio over two pairs, one in each order."""
+    times: dict[bool, dict[str, list[float]]] = {c: {"save": [], "load": []} for c in (True, False)}
+    for it in range(2 * iters + 1):  # iteration 0 is a warm-up
+        for checksums in (True, False) if it % 2 else (False, True):
+            path = root / f"sums-{checksums}-{it}"
+            t_save = timed(lambda: save_checkpoint(path, model, opt, checksums=checksums) and None)  # noqa: B023
+            t_load = timed(lambda: load_checkpoint(path, fresh, fresh_opt) and None)  # noqa: B023
+            if it:
+                times[checksums]["save"].append(t_save)
+                times[checksums]["load"].append(t_load)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    ratios = {}
+    for kind in ("save", "load"):
+        with_, without = times[True][kind], times[False][kind]
+        pairs = [
+            (with_[i] + with_[i + 1]) / (without[i] + without[i + 1])
+            for i in range(0, len(with_) - 1, 2)
+        ]
+        ratios[kind] = statistics.median(pairs)
+    return ratios
 
 
 def main() -> None:

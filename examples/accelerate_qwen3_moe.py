@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from fsdp_precision import Glob, PrecisionRules, model_policy
-from fsdp_precision.checkpoint import export_safetensors, restore_kept
+from fsdp_precision.checkpoint import check_checkpoint, export_safetensors, restore_kept
 from fsdp_precision.integrations import accelerate_fsdp2_on_cpu
 from fsdp_precision.testing import GatherProbe
 
@@ -140,6 +140,9 @@ def main() -> None:
     checkpoints.mkdir(parents=True, exist_ok=True)
     resume, start = latest(checkpoints)
     if resume is not None:
+        # DCP's default reader unpickles what it reads: check the model's and the optimizer's
+        # directories as the library's own loads check theirs, before accelerate reads them.
+        check_checkpoint(resume)
         accelerator.load_state(str(resume))  # parameters, optimizer, RNG states
         loader = accelerator.skip_first_batches(loader, start)
         accelerator.print(f"resumed from {resume.name}: step {start}")

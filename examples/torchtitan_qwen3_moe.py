@@ -26,6 +26,9 @@ has one: a save cut off is skipped. The last step's save is model-only and cast 
 ``--checkpoint.export_dtype`` when ``last_save_model_only`` (the default outside the debug
 recipe), and the Hugging Face one (``last_save_in_hf``) casts every tensor, the gates too.
 
+Before ``load()`` the example checks the step it will read with ``check_checkpoint`` (DCP's
+default reader unpickles ``.metadata`` and the pickled states: a crafted file would run code).
+
 Export: ``export_safetensors(model, dir, dtype=torch.bfloat16)`` writes torchtitan's names (the
 ``plain`` layout: a torchtitan model is a plain ``nn.Module``), the bulk in bf16 and the gates in
 fp32, one FSDP unit in memory at a time; a fresh model loads it with ``load_state_dict(...,
@@ -54,7 +57,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
-from fsdp_precision.checkpoint import export_safetensors, restore_kept
+from fsdp_precision.checkpoint import check_checkpoint, export_safetensors, restore_kept
 from fsdp_precision.testing import GatherProbe
 
 RULES = fp.PrecisionRules(
@@ -155,6 +158,14 @@ def whole(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state_dict.items()}
 
 
+def newest_step(folder: Path) -> Path | None:
+    """The step torchtitan's ``load()`` resumes from: the newest ``step-<N>`` with a
+    ``.metadata`` (a save cut off has none)."""
+    steps = [p.parent for p in folder.glob("step-*/.metadata")]
+    steps = [p for p in steps if p.name.removeprefix("step-").isdigit()]
+    return max(steps, key=lambda p: int(p.name.removeprefix("step-")), default=None)
+
+
 def tokens(step: int, rank: int) -> torch.Tensor:
     """Step ``step``'s batch on ``rank``: a resumed run sees what the uninterrupted one saw."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -200,6 +211,9 @@ def main() -> None:
         states={"train_state": state}, sd_adapter=Qwen3StateDictAdapter(model_config, None),
         base_folder=config.dump_folder,
     )  # fmt: skip
+    newest = newest_step(Path(checkpointer.folder))
+    if newest is not None:  # what load() will read, checked first: DCP's reader unpickles it
+        check_checkpoint(newest)
     checkpointer.load()  # the newest complete step under <dir>/checkpoint, or a fresh start
     start = state.step
     for step in range(start + 1, args.steps + 1):

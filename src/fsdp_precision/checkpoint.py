@@ -12,8 +12,10 @@ rounded them (:func:`restore_kept`).
 Saves are atomic: a crash mid-save leaves the previous checkpoint loadable. Every tensor keeps
 its own dtype. A training run's checkpoints: :func:`save_step` (one per step, the last few
 kept) and :func:`resume_from_latest` (after a restart, e.g. ``torchrun --max-restarts``).
-Every error is a :class:`CheckpointError` naming the path and the fix. See
-``docs/checkpoints.md``.
+Loading never runs what a file holds, and verifies the checksums the save recorded;
+:func:`check_checkpoint` makes the same checks on a checkpoint a framework will load (accelerate's
+``load_state``, torchtitan's checkpointer). Every error is a :class:`CheckpointError` naming the
+path and the fix. See ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fsdp_precision._base.errors import (
     UnsafeCheckpointError,
 )
 from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE
+from fsdp_precision._edges.checkpoint.foreign import check_checkpoint
 from fsdp_precision._edges.checkpoint.metadata import read_checkpoint_metadata
 from fsdp_precision._edges.checkpoint.rotate import (
     latest_checkpoint,
@@ -64,6 +67,7 @@ __all__ = [
     "StateDictMismatchError",
     "StateDictType",
     "UnsafeCheckpointError",
+    "check_checkpoint",
     "export_safetensors",
     "latest_checkpoint",
     "load_checkpoint",

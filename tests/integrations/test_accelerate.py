@@ -42,9 +42,11 @@ from tests.support.harness import (
     collect_cases,
     distributed_suite,
     fresh_accelerate_state,
+    launch_example,
     run_example,
 )
 from tests.support.hf_models import deepseek_v3
+from tests.support.hostile import crafted_metadata
 
 accelerate = pytest.importorskip(
     "accelerate", reason="accelerate is not installed (pip install '.[accelerate]')"
@@ -356,6 +358,17 @@ def test_save_state_resumes_bitwise_in_a_fresh_launch(tmp_path: Path) -> None:
         assert state.keys() == {"step", "exp_avg", "exp_avg_sq"}, state.keys()
         for key, value in state.items():
             assert torch.equal(value, states[1][name][key]), (name, key)
+
+    # A crafted file in the step a relaunch resumes from: the example checks it before
+    # accelerate's load_state reads it (DCP's default reader would run it: tests/trust).
+    third = tmp_path / "crafted"
+    shutil.copytree(first / "checkpoints" / "step_2", third / "checkpoints" / "step_2")
+    sentinel = tmp_path / "ran"
+    crafted_metadata(third / "checkpoints" / "step_2" / "pytorch_model_fsdp_0", sentinel)
+    out = launch_example(ROOT / "examples" / "accelerate_qwen3_moe.py", "--output-dir", third)
+    assert out.returncode != 0 and "UnsafeCheckpointError" in out.stderr, out.stderr[-3000:]
+    assert "asks to construct posix.system, which is not DCP" in out.stderr
+    assert not sentinel.exists(), "the payload ran"
 
 
 CASES = collect_cases(globals())

@@ -31,7 +31,8 @@ SURFACE = {
     "fsdp_precision.checkpoint": [
         "EXPORT_RECORD", "METADATA_FILE", "SAFE_GLOBALS", "CheckpointError", "CheckpointNotFoundError",
         "CheckpointReadError", "CheckpointWriteError", "ExportRecord", "KeptTensor",
-        "RecordedCast", "StateDictMismatchError", "StateDictType", "UnsafeCheckpointError", "export_safetensors",
+        "RecordedCast", "StateDictMismatchError", "StateDictType", "UnsafeCheckpointError", "check_checkpoint",
+        "export_safetensors",
         "latest_checkpoint", "load_checkpoint", "load_model_state_dict", "model_state_dict",
         "read_checkpoint_metadata", "read_export_record", "restore_kept", "resume_from_latest",
         "save_checkpoint", "save_step",

@@ -11,6 +11,7 @@ import gc
 import importlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -160,14 +161,19 @@ def unpatched() -> Iterator[None]:
         fp.apply_param_dtype_map_patch()
 
 
-def run_example(script: str | Path, *args: object, nproc: int = 2, timeout: int = 600) -> str:
-    """A script under ``torchrun --standalone`` on ``nproc`` CPU ranks, one thread each; its
-    stdout. It must succeed (the assertion shows the end of its output)."""
-    import subprocess
-
+def launch_example(
+    script: str | Path, *args: object, nproc: int = 2, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+    """A script under ``torchrun --standalone`` on ``nproc`` CPU ranks, one thread each."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command = [*launcher, f"--nproc_per_node={nproc}", str(script), *map(str, args)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_example(script: str | Path, *args: object, nproc: int = 2, timeout: int = 600) -> str:
+    """:func:`launch_example`'s stdout. It must succeed (the assertion shows the end of its
+    output)."""
+    out = launch_example(script, *args, nproc=nproc, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout

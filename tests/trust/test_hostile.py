@@ -9,9 +9,6 @@ point must refuse it with the sentinel absent and the model and optimizer as the
 from __future__ import annotations
 
 import copy
-import io
-import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,18 +27,9 @@ from fsdp_precision.checkpoint import (
 )
 
 from tests.support import requires_export
+from tests.support.hostile import CRAFTED
 
 pytestmark = pytest.mark.fast
-
-
-class Payload:
-    """Unpickled by a plain unpickler, it runs a shell command creating ``sentinel``."""
-
-    def __init__(self, sentinel: Path) -> None:
-        self.sentinel = sentinel
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {self.sentinel}",))
 
 
 def model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -75,45 +63,6 @@ def saved(tmp_path: Path) -> Path:
     save_step(tmp_path / "run", model, optimizer, step=1)
     return tmp_path / "run" / "step-000000001"
 
-
-def metadata_of(path: Path) -> Any:
-    from fsdp_precision._trust.unpickle import load_metadata
-
-    return load_metadata(path / ".metadata")
-
-
-def crafted_metadata(path: Path, sentinel: Path) -> None:
-    (path / ".metadata").write_bytes(pickle.dumps(Payload(sentinel)))
-
-
-def crafted_byte_item(path: Path, sentinel: Path) -> None:
-    """The learning rate, stored as a byte item, replaced by a payload appended to a data file
-    (the metadata, rewritten with DCP's own records only, points to it)."""
-    metadata = metadata_of(path)
-    key = next(k for k in metadata.storage_data if k.fqn == "optim.param_groups.0.lr")
-    info = metadata.storage_data[key]
-    data = path / info.relative_path
-    buffer = io.BytesIO()
-    torch.save(Payload(sentinel), buffer)
-    offset = data.stat().st_size
-    with open(data, "ab") as f:
-        f.write(buffer.getvalue())
-    metadata.storage_data[key] = type(info)(info.relative_path, offset, len(buffer.getvalue()))
-    (path / ".metadata").write_bytes(pickle.dumps(metadata))
-
-
-def escaping_path(path: Path, sentinel: Path) -> None:
-    metadata = metadata_of(path)
-    key, info = next(iter(metadata.storage_data.items()))
-    metadata.storage_data[key] = type(info)("../outside.distcp", info.offset, info.length)
-    (path / ".metadata").write_bytes(pickle.dumps(metadata))
-
-
-CRAFTED: dict[str, tuple[Callable[[Path, Path], None], str]] = {
-    "metadata": (crafted_metadata, r"asks to construct posix\.system, which is not DCP"),
-    "byte item": (crafted_byte_item, r"'optim\.param_groups\.0\.lr' holds an object that only "),
-    "escaping path": (escaping_path, r"names the data file '\.\./outside\.distcp', which is not"),
-}
 
 ENTRY_POINTS: dict[str, Callable[[Path, nn.Module, torch.optim.Optimizer], Any]] = {
     "load_checkpoint": lambda p, m, o: load_checkpoint(p, m, o),

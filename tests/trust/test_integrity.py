@@ -70,7 +70,7 @@ def test_the_marker_records_every_file(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "ck", model(0))
     marker = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
     files = {p.name for p in (tmp_path / "ck").iterdir()} - {METADATA_FILE}
-    assert marker["checksums"]["algorithm"] == "blake2b-128"
+    assert marker["checksums"]["algorithm"] == "xxh3-128"
     assert set(marker["checksums"]["files"]) == files and ".metadata" in files
 
 

@@ -2,30 +2,32 @@
 a directory pinned for the length of a load, so that a save swapping a new checkpoint into the
 same path cannot mix two checkpoints into one load.
 
-The hash is BLAKE2b with a 16-byte digest (``hashlib``; no dependency): about as fast as the
-disk on one core, and a flipped bit anywhere in a file changes it.
+The hash is XXH3 with a 128-bit digest (``xxhash``): about 20 GB/s on one core, faster than any
+disk, and a flipped bit anywhere in a file changes it. It detects damage and mixing, not a
+forger (who could rewrite the marker as well); hashlib's fastest, BLAKE2b, runs at about 1 GB/s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+
+import xxhash
 
 from fsdp_precision._base.errors import CheckpointReadError
 
 __all__ = ["ALGORITHM", "digest", "pinned", "same_directory", "verify"]
 
 #: The name recorded beside the digests.
-ALGORITHM = "blake2b-128"
+ALGORITHM = "xxh3-128"
 _CHUNK = 8 << 20
 
 
 def digest(path: Path) -> str:
     """The hex digest of the file ``path``."""
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)

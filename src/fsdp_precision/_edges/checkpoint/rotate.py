@@ -103,10 +103,11 @@ def save_step(
     keep_last: int = 2,
     state_dict_type: StateDictType = "sharded",
     extra: Mapping[str, Any] | None = None,
+    checksums: bool = True,
 ) -> Path:
-    """Save step ``step`` into ``<root>/step-<step>`` (collective, atomic: see
-    :func:`save_checkpoint`), then keep only the newest ``keep_last`` complete step checkpoints
-    (rank 0 deletes the others). Returns the new checkpoint's path.
+    """Save step ``step`` into ``<root>/step-<step>`` (collective, atomic, with checksums unless
+    ``checksums=False``: see :func:`save_checkpoint`), then keep only the newest ``keep_last``
+    complete step checkpoints (rank 0 deletes the others). Returns the new checkpoint's path.
 
     Raises :class:`CheckpointError` for a ``step`` or ``keep_last`` that is not a non-negative
     integer (``keep_last`` at least 1), before anything is written.
@@ -121,6 +122,7 @@ def save_step(
         state_dict_type=state_dict_type,
         step=step,
         extra=extra,
+        checksums=checksums,
     )
     rank, _ = rank_world()
     if rank == 0:

@@ -86,7 +86,7 @@ def save_checkpoint(
     JSON-serialisable data, e.g. the loss history) goes to ``METADATA_FILE``, written last. A
     transformers or Diffusers model also gets its ``config.json``, so that
     :func:`export_safetensors` can lay the checkpoint out offline. ``checksums``: the marker
-    records every file's checksum (BLAKE2b, each rank hashing a share), verified before any
+    records every file's checksum (XXH3-128, each rank hashing a share), verified before any
     load; ``False`` skips them for very large checkpoints (the cost:
     ``benchmarks/bench_checkpoint.py``).
 
