@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from fsdp_precision._base.dtypes import dtype_from_name
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError
@@ -37,7 +36,7 @@ from fsdp_precision._edges.entries import Dtype, WeightEntry
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
 from fsdp_precision._edges.record import parse_casts
 from fsdp_precision._edges.stream import WeightStream, plan_stream
-from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
+from fsdp_precision._trust.reader import check_files, trusted_load
 
 __all__ = ["checkpoint_stream"]
 
@@ -95,13 +94,7 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
         template = {e.name: torch.empty(e.shape, dtype=e.storage) for e in group}
         try:
             with single_process():
-                dcp_load(
-                    {MODEL: template},
-                    checkpoint_id=path,
-                    no_dist=True,
-                    storage_reader=TrustedReader(path),
-                    planner=TrustedLoadPlanner(),
-                )
+                trusted_load({MODEL: template}, path, no_dist=True)
         except (OSError, CheckpointException) as err:
             raise CheckpointReadError(
                 f"cannot read the model tensors of checkpoint '{path}' ({describe(err)}); a "

@@ -18,11 +18,12 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from fsdp_precision._base.errors import CheckpointReadError
 from fsdp_precision._trust.unpickle import check_relative_path, load_byte_item, load_metadata
 
-__all__ = ["METADATA_NAME", "TrustedLoadPlanner", "TrustedReader", "check_files"]
+__all__ = ["METADATA_NAME", "TrustedLoadPlanner", "TrustedReader", "check_files", "trusted_load"]
 
 #: The file DCP writes its metadata to.
 METADATA_NAME = ".metadata"
@@ -46,6 +47,17 @@ class TrustedLoadPlanner(DefaultLoadPlanner):
         data = value.read()
         load_byte_item(data, f"the stored value {read_item.dest_index.fqn!r}")
         super().load_bytes(read_item, io.BytesIO(data))
+
+
+def trusted_load(state: dict[str, Any], path: Path, *, no_dist: bool = False) -> None:
+    """DCP's load of ``state`` from ``path`` with the trusted reader and planner."""
+    dcp_load(
+        state,
+        checkpoint_id=path,
+        no_dist=no_dist,
+        storage_reader=TrustedReader(path),
+        planner=TrustedLoadPlanner(),
+    )
 
 
 def check_files(path: Path, metadata: Any) -> None:

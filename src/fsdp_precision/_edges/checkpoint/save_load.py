@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
@@ -51,7 +50,7 @@ from fsdp_precision._edges.entries import strip_wrappers
 from fsdp_precision._edges.layouts import layout_for
 from fsdp_precision._edges.record import precision_record
 from fsdp_precision._trust.checksums import pinned, same_directory
-from fsdp_precision._trust.reader import TrustedLoadPlanner, TrustedReader, check_files
+from fsdp_precision._trust.reader import check_files, trusted_load
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -215,12 +214,7 @@ def _read_into(
         for fqn in stateless:
             state[OPTIM]["state"].pop(fqn, None)
     try:
-        dcp_load(
-            state,
-            checkpoint_id=through,
-            storage_reader=TrustedReader(through),
-            planner=TrustedLoadPlanner(),
-        )
+        trusted_load(state, through)
     except (OSError, CheckpointException) as err:
         raise CheckpointReadError(
             f"cannot read checkpoint '{path}' ({describe(err)}); a file of the checkpoint is "
