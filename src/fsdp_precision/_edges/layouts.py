@@ -185,12 +185,17 @@ def _adapter(model: nn.Module) -> Convert:
 def _peft_config(model: nn.Module) -> Callable[[Path, torch.dtype | None], list[str]]:
     """The adapter's config as ``PeftModel.save_pretrained`` writes it: ``inference_mode``
     true, the base model's name filled in, and the ``auto_mapping`` that ``AutoPeftModel``
-    reads when the config has no ``task_type``."""
+    reads when the config has no ``task_type``. Set-valued fields (``target_modules``) are
+    written sorted, so two exports of one adapter write the same bytes (PEFT writes a set in
+    its iteration order, which a copy or another process can change)."""
 
     def save(out: Path, dtype: torch.dtype | None) -> list[str]:
         adapter = str(getattr(model, "active_adapter", "default"))
         config = _copy(model.peft_config[adapter])  # type: ignore[index]
         config.inference_mode = True
+        for key, value in vars(config).items():
+            if isinstance(value, (set, frozenset)):
+                setattr(config, key, sorted(value, key=str))
         base: Any = model.base_model
         inner = base if config.is_prompt_learning else base.model
         if config.base_model_name_or_path is None:
