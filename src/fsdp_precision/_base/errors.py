@@ -10,6 +10,7 @@ __all__ = [
     "FsdpPrecisionError",
     "ParamDtypeMapError",
     "PatchIntegrityError",
+    "PolicyNotAppliedError",
     "RankMismatchError",
     "StateDictMismatchError",
     "UnsafeCheckpointError",
@@ -104,6 +105,12 @@ class StateDictMismatchError(CheckpointError):
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable with its lists: ranks exchange errors so that every rank raises the same one.
         return (type(self), (str(self),), self.__dict__)
+
+
+class PolicyNotAppliedError(FsdpPrecisionError, RuntimeError):
+    """A model that a ``model_policy`` was built for ran a training forward, and no
+    ``fully_shard`` call had applied the policy (a framework skipped FSDP: one process without a
+    launcher). Raised before the step computes anything."""
 
 
 class UnitUsageError(FsdpPrecisionError, RuntimeError):

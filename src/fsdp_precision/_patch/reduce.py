@@ -213,11 +213,17 @@ def is_uniform(
     unsharded_grads: list[torch.Tensor],
     orig_dtype: torch.dtype | None,
 ) -> bool:
-    """Whether upstream ``foreach_reduce`` can take this unit's gradients as they are."""
-    return not in_mapped_unit(fsdp_params[0]) or (
-        len({g.dtype for g in unsharded_grads}) == 1
-        and all(p.orig_dtype == orig_dtype for p in fsdp_params)
-    )
+    """Whether upstream ``foreach_reduce`` can take this unit's gradients as they are.
+
+    Any unit, mapped or not, whose gradients arrive in several dtypes is not: upstream asserts
+    there (pytorch #196996: with ``reduce_dtype`` set and accumulation without sync, a parameter
+    first reached on the window's last microbatch brings a fresh gradient in its compute dtype
+    beside the others' accumulated ones in the reduce dtype); contract point 3 reduces them all
+    in the unit's reduce dtype, as for a mapped unit."""
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        return False
+    mapped = in_mapped_unit(fsdp_params[0])
+    return not mapped or all(p.orig_dtype == orig_dtype for p in fsdp_params)
 
 
 def _results(*values: Any) -> tuple[Any, ...]:

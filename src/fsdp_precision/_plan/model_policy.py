@@ -22,6 +22,7 @@ from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
+from fsdp_precision._policy.unapplied import guard_unapplied
 
 __all__ = ["model_policy"]
 
@@ -33,7 +34,10 @@ def model_policy(
 
     The rules and the model's keep declarations are compiled once (as for a single root unit:
     rules that match nothing, shadowed rules and degraded kept parameters are errors here,
-    before anything is wrapped) into root-relative exact entries. Pass the result as
+    before anything is wrapped) into root-relative exact entries. A training forward of
+    ``model`` that no ``fully_shard`` call prepared (a framework that skips FSDP on one process
+    without a launcher) raises :class:`PolicyNotAppliedError` instead of running with the kept
+    dtypes dropped. Pass the result as
     ``mp_policy`` to every call, in any order and grouping; each call takes the entries of the
     parameters it manages. Applies the patch. Once the call that includes ``model`` runs, an
     entry no call resolved (its parameter ignored, or its module wrapped with another policy)
@@ -77,6 +81,7 @@ def model_policy(
     casts = plan.module_casts
     apply_param_dtype_map_patch()
     upcast_storage(model, plan.upcasts)  # every check passed
+    guard_unapplied(model, type(model).__name__, dict(sorted(mapped.items())))
     # Every parameter kept in one dtype: the plan's unit is one of that dtype (build.py)
     unit_policy = plan.units[0].policy
     return ModelScopedPolicy(

@@ -26,6 +26,7 @@ from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.units import UnitChoice
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.casts import ModuleCast
+from fsdp_precision._releases.status import patch_status
 
 __all__ = ["PrecisionPlan"]
 
@@ -123,7 +124,10 @@ class PrecisionPlan:
     def apply(self, **fully_shard_kwargs: Any) -> nn.Module:
         """Make the planned ``fully_shard`` calls in order; return the model.
 
-        Applies the patch first when a unit has a non-empty map. ``fully_shard_kwargs`` (mesh,
+        Applies the patch first when a unit has a non-empty map or casts, and wherever else
+        the installed torch allows it (not on a :attr:`fallback` plan): its reduce takes the
+        mixed gradient dtypes that torch's asserts on (pytorch #196996), in units that keep
+        nothing too (the separate-units layout's included). ``fully_shard_kwargs`` (mesh,
         offload_policy, ...) go to every call, with the plan's ``reshard_after_forward`` and
         the :attr:`replicated` parameters added to ``ignored_params``; those get their
         gradients averaged over the mesh. Parameters a user rule keeps wider than they are
@@ -138,8 +142,7 @@ class PrecisionPlan:
         scalars = [self.model.get_parameter(p.fqn) for p in self.replicated]
         if scalars:
             kwargs["ignored_params"] = set(kwargs.get("ignored_params") or ()) | set(scalars)
-        if any(u.param_dtype_map or u.module_casts for u in self.units):
-            apply_param_dtype_map_patch()
+        self._install_patch()
         undo = upcast_storage(self.model, self.upcasts)
         try:
             self.check(ignored_params=kwargs.get("ignored_params"))
@@ -153,6 +156,12 @@ class PrecisionPlan:
         # Mapped units had it done by their construction step; the others are plain calls.
         keep_output_recording([m for u in self.units if not u.param_dtype_map for m in u.modules])
         return self.model
+
+    def _install_patch(self) -> None:
+        if any(u.param_dtype_map or u.module_casts for u in self.units):
+            apply_param_dtype_map_patch()  # needed: raises where the torch cannot take it
+        elif self.fallback is None and patch_status().usable:
+            apply_param_dtype_map_patch()  # for the reduce alone (contract point 3)
 
     def check(self, *, ignored_params: Any = None) -> None:
         """Raise what any planned ``fully_shard`` call would refuse, before any is made.
