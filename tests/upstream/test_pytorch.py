@@ -1,5 +1,12 @@
 """pytorch's FSDP2 precision reports, reproduced on 2 gloo ranks (docs/known-issues.md).
 
+#172074: before 2.15 ``fully_shard`` drops a parameter's ``Tensor.grad_dtype`` (fp32 gradients
+asked of a bf16 parameter come out bf16); the construction wrap refuses it, naming the fix, where
+the release's ``keeps_grad_dtype`` trait says torch drops it.
+
+#198668: a block applied twice per forward (several gradient contributions per backward) under
+accumulation without sync: the in-unit map is bitwise the separate-units layout.
+
 #196996: with ``reduce_dtype=fp32`` and accumulation without sync, a parameter first reached on
 the last microbatch of the window (an expert no earlier token reached) brings a fresh bf16
 gradient beside the fp32 accumulated ones of its unit, and torch's reduce-scatter asserts
@@ -20,12 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import fsdp_precision as fp
 from fsdp_precision._releases import release_module
 
+from tests.patch.test_parity import wrap_children, wrap_mapped
 from tests.support.harness import collect_cases, distributed_suite, unpatched
-from tests.support.models import local
+from tests.support.models import Net, assert_same_grads, clones, inputs, local, loss_of
 from tests.support.moe import EXPERTS, RULES, bf16, fp32, hash_moe, microbatches
 
 LATE = 3  # the expert first reached on the window's last microbatch
@@ -180,6 +189,63 @@ def case_196996_every_expert_reached_is_uniform() -> None:
             ids[0, :EXPERTS] = torch.arange(EXPERTS)
             model.set_requires_gradient_sync(i == 2)
             model(ids, labels=ids)["loss"].backward()
+
+
+def grad_dtype_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(bf16)
+    for p in model.parameters():
+        p.grad_dtype = fp32
+    return model
+
+
+def case_172074_grad_dtype_is_kept_or_refused() -> None:
+    keeps = release_module().TRAITS.keeps_grad_dtype
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    with unpatched():  # the negative control, and the trait that notices the fix
+        plain = grad_dtype_model()
+        fully_shard(plain, mp_policy=policy)
+        assert (next(plain.parameters()).grad_dtype == fp32) == keeps
+    model = grad_dtype_model()
+    if keeps:
+        fully_shard(model, mp_policy=policy)
+        model(torch.randn(4, 8, dtype=bf16)).float().sum().backward()
+        assert all(p.grad.dtype == fp32 for p in model.parameters())
+        return
+    with pytest.raises(
+        fp.ParamDtypeMapError, match=r"drops Tensor.grad_dtype.*#172074.*'0.weight'"
+    ):
+        fully_shard(model, mp_policy=policy)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # untouched
+    plan = fp.compile_param_dtype_maps(model, fp.PrecisionRules(param_dtype=bf16), [model])
+    with pytest.raises(fp.ParamDtypeMapError, match=r"#172074"):
+        plan.apply()  # the plan's own checks say it before the first call
+    for p in model.parameters():
+        p.grad_dtype = None  # the fix the message names; the call can be retried
+    fully_shard(model, mp_policy=policy)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+class TwiceNet(Net):
+    """Each block applied twice per forward: two gradient contributions per backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(block(x))
+        return self.head(self.norm(x))
+
+
+def case_198668_block_applied_twice_under_accumulation() -> None:
+    torch.manual_seed(0)
+    ref, ours = clones(TwiceNet(), 2)
+    wrap_children(ref)
+    wrap_mapped(ours)
+    for micro in range(3):
+        for model in (ref, ours):
+            model.set_requires_gradient_sync(micro == 2)
+            loss_of(model(inputs(micro))).backward()
+    assert_same_grads(ref, ours)
+    assert all(p.grad.dtype == fp32 for p in ours.parameters())
 
 
 CASES = collect_cases(globals())

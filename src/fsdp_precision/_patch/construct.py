@@ -39,7 +39,12 @@ from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
 from fsdp_precision._policy.native import native_policy
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._policy.refusals import check_manageable, needs_resolution, uses_native
+from fsdp_precision._policy.refusals import (
+    check_grad_dtype,
+    check_manageable,
+    needs_resolution,
+    uses_native,
+)
 from fsdp_precision._policy.resolve import ResolvedMap, resolve_param_dtype_map
 from fsdp_precision._releases.traits import ReleaseTraits
 
@@ -64,6 +69,11 @@ def init_param_group(
     original = registry.original(_fs, "_init_param_group")
     mp_policy = bind_mp_policy(args, kwargs)
     call = registry.next_call()
+    try:
+        check_grad_dtype(registry.traits(), modules, params)
+    except ParamDtypeMapError as exc:
+        _refuse(call, state, modules, params, args, mp_policy, exc)
+        raise
     if not needs_resolution(mp_policy):
         _agree(call, state, modules, params, args, None, mp_policy)
         return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
@@ -75,11 +85,7 @@ def init_param_group(
         if not native and not release.keeps_requires_grad:
             check_manageable(params, resolved.fqns)
     except ParamDtypeMapError as exc:
-        try:  # the other ranks stop too, rather than wait for this one
-            _agree(call, state, modules, params, args, None, mp_policy, refusal=str(exc))
-        except RankMismatchError:
-            pass
-        undo_state_init(state, modules)
+        _refuse(call, state, modules, params, args, mp_policy, exc)
         raise
     _agree(call, state, modules, params, args, resolved, mp_policy)
     if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
@@ -101,6 +107,24 @@ def init_param_group(
     _after_call(mp_policy, resolved, modules)
     _log_mapped(modules, resolved, "native override" if native else "mapped")
     return None
+
+
+def _refuse(
+    call: int,
+    state: Any,
+    modules: tuple[nn.Module, ...],
+    params: list[nn.Parameter],
+    args: Sequence[Any],
+    policy: MixedPrecisionPolicy,
+    exc: ParamDtypeMapError,
+) -> None:
+    """A refused call: the other ranks stop too, rather than wait for this one; FSDP's
+    registration is undone, so the call can be retried."""
+    try:
+        _agree(call, state, modules, params, args, None, policy, refusal=str(exc))
+    except RankMismatchError:
+        pass
+    undo_state_init(state, modules)
 
 
 def _agree(

@@ -22,6 +22,7 @@ from fsdp_precision._releases import ReleaseTraits, release_traits
 
 __all__ = [
     "check_call",
+    "check_grad_dtype",
     "check_manageable",
     "check_planned_call",
     "needs_resolution",
@@ -68,6 +69,37 @@ def uses_native(
     return False
 
 
+def check_grad_dtype(
+    release: ReleaseTraits, modules: Sequence[nn.Module], params: Sequence[nn.Parameter]
+) -> None:
+    """Before 2.15, ``fully_shard`` replaces each parameter without its ``grad_dtype`` (pytorch
+    #172074): one set wider than the storage dtype (fp32 gradients of a bf16 parameter) would
+    be dropped silently, and the gradients come out in the storage dtype. Say so up front."""
+    if release.keeps_grad_dtype:
+        return
+    asked = [(p, d) for p in params if (d := _explicit_grad_dtype(p)) is not None]
+    if not asked:
+        return
+    names = {id(p): n for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
+    shown = ", ".join(
+        f"{names.get(id(p), '?')!r} ({dtype_name(p.dtype)}, grad_dtype {dtype_name(d)})"
+        for p, d in asked[:3]
+    )
+    raise ParamDtypeMapError(
+        f"FSDP2 in torch {torch.__version__} drops Tensor.grad_dtype at fully_shard (pytorch "
+        f"#172074), and these parameters set one: {shown}; their gradients would silently "
+        "come out in the storage dtype. Set reduce_dtype=torch.float32 in the policy (gradients "
+        "reduce in fp32) and store the parameters in the gradient dtype (a rule keeps them "
+        "there), or use torch 2.15, which keeps grad_dtype; then clear grad_dtype "
+        "(p.grad_dtype = None)"
+    )
+
+
+def _explicit_grad_dtype(param: torch.Tensor) -> torch.dtype | None:
+    dtype = getattr(param, "grad_dtype", None)
+    return dtype if dtype is not None and dtype != param.dtype else None
+
+
 def check_call(
     release: ReleaseTraits,
     modules: Sequence[nn.Module],
@@ -76,6 +108,7 @@ def check_call(
 ) -> None:
     """Every refusal ``fully_shard(modules, mp_policy=policy)`` would make on this release, for
     the ``params`` it would manage, as :class:`ParamDtypeMapError`; nothing is modified."""
+    check_grad_dtype(release, modules, params)
     resolved: ResolvedMap | None = None
     if needs_resolution(policy):
         assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)

@@ -1,8 +1,8 @@
 """A model-scoped policy is never silently dropped.
 
 Frameworks decide for themselves whether to call ``fully_shard``: accelerate on one process
-without a launcher runs as ``DistributedType.NO`` and prepares the model as it is, and the HF
-Trainer and TRL on it do the same (NeMo Automodel #3589 met the same skip at world size 1). The
+without a launcher runs as ``DistributedType.NO`` and prepares the model as it is, and on a
+CPU-only machine it wraps it in DDP (NeMo Automodel #3589 met the same skip at world size 1). The
 policy that :func:`fsdp_precision.model_policy` built then applies nowhere: under autocast the
 kept router computes in bf16 and nothing says so; without it, its fp32 weight meets bf16
 activations ("expected m1 and m2 to have the same dtype"). The guard stops the first training
@@ -60,10 +60,12 @@ class _Guard:
             f"a model_policy was built for this {self.model_name}, and it runs a training forward "
             "that no fully_shard call prepared: the policy applies nowhere, so its kept "
             f"dtypes{kept} do not hold (under autocast they compute in bf16; without it the "
-            "kept weights meet bf16 activations). A framework skips FSDP on one process "
-            "without a launcher (accelerate runs it as DistributedType.NO; so do the HF "
-            "Trainer and TRL). Launch the script with `torchrun --nproc_per_node N` or "
-            "`accelerate launch` (N=1 is fine), or pass the policy to your own fully_shard calls"
+            "kept weights meet bf16 activations). accelerate skips FSDP on one process "
+            "without a launcher (DistributedType.NO): launch the script with `torchrun "
+            "--nproc_per_node N` or `accelerate launch` (N=1 is fine). On a CPU-only machine it "
+            "uses DDP instead: call fsdp_precision.integrations.accelerate_fsdp2_on_cpu (or "
+            "cpu_fsdp2_trainer) before prepare. With your own fully_shard calls, pass them the "
+            "policy"
         )
 
 

@@ -66,6 +66,9 @@ class ReleaseTraits:
     #: upcasts it. Before 2.15 autograd casts each gradient to the parameter's dtype first. The
     #: unsharded reference (``_reference``) emulates it; the patch changes nothing here.
     defers_grad_upcast: bool = False
+    #: 2.15: ``fully_shard`` keeps a parameter's ``Tensor.grad_dtype`` on the sharded parameter
+    #: it builds; before, it is dropped (pytorch #172074), which the construction wrap refuses.
+    keeps_grad_dtype: bool = False
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):

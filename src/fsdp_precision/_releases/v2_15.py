@@ -20,6 +20,7 @@ TRAITS = ReleaseTraits(
     patches_precision=True,  # where it cannot
     mixed_dtype_reduce=True,
     defers_grad_upcast=True,
+    keeps_grad_dtype=True,
 )
 
 SOURCES: dict[str, str] = {
