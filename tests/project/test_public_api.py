@@ -21,6 +21,7 @@ SURFACE = {
         "MAPPABLE_DTYPES", "PRESETS", "SUPPORTED_RELEASES", "DistributedConfig",
         "FsdpPrecisionError", "Glob", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
+        "PolicyNotAppliedError",
         "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "UnitUsageError", "UnsupportedTorchError",
         "WeightMeta", "WeightStream",
         "__version__", "advise", "apply_param_dtype_map_patch", "auto_wrap_units",
