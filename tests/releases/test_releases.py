@@ -132,12 +132,13 @@ def test_targets_follow_the_traits(module: object) -> None:
 # Every trait of every release, as docs/how-it-works.md tables them (the release modules name
 # only where they differ from the defaults, so a changed default shows here).
 TRAIT_TABLE = {
-    # groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce, defers
-    "2.11": (False, False, False, True, 6, False, True, False, False),
-    "2.12": (True, True, True, False, 6, False, True, False, False),
-    "2.13": (True, True, True, False, 7, False, True, False, False),
-    "2.14": (True, True, True, False, 7, False, True, False, False),
-    "2.15": (True, True, True, False, 7, True, True, True, True),
+    # groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce, defers,
+    # keeps grad_dtype
+    "2.11": (False, False, False, True, 6, False, True, False, False, False),
+    "2.12": (True, True, True, False, 6, False, True, False, False, False),
+    "2.13": (True, True, True, False, 7, False, True, False, False, False),
+    "2.14": (True, True, True, False, 7, False, True, False, False, False),
+    "2.15": (True, True, True, False, 7, True, True, True, True, True),
 }
 
 
