@@ -1,7 +1,7 @@
 """One training step of a tiny Qwen3-MoE with a ``model_policy`` (router gates kept in fp32)
 through a framework, in the process it is started in: ``python -m tests.support.one_process
 FRAMEWORK MIXED_PRECISION [unguarded]``, alone (no launcher: the framework skips FSDP) or under
-``torchrun --nproc_per_node 1``. Prints one JSON line: what ran (``error``: the exception's type
+``torchrun --nproc_per_node 1``. FRAMEWORK: accelerate, trainer or fabric. Prints one JSON line: what ran (``error``: the exception's type
 and message; ``sharded``; the dtype each gate was computed in; whether the parameters changed).
 
 ``unguarded`` removes the library's guard first: the negative control, what the framework does
@@ -85,6 +85,39 @@ def trainer_step(model: nn.Module, policy: Any, mixed: str) -> dict[str, Any]:
     return {"model": trainer.model_wrapped}
 
 
+def fabric_step(model: nn.Module, policy: Any, mixed: str) -> dict[str, Any]:
+    """Lightning Fabric on one CPU device: ``ModelParallelStrategy`` with a ``parallelize_fn``
+    making the ``fully_shard`` calls with the policy (``mixed="bf16-true"``), or the default
+    single-device strategy, which makes none (``mixed="bf16-mixed"``)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+        mesh = device_mesh["data_parallel"]
+        for layer in model.model.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    strategy: Any = "auto"
+    if mixed == "bf16-true":
+        strategy = ModelParallelStrategy(
+            parallelize_fn=parallelize, data_parallel_size=1, tensor_parallel_size=1
+        )
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=mixed)  # type: ignore[arg-type]
+    fabric.launch()
+    model = fabric.setup(model)
+    optim = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    fabric.backward(model(input_ids=ids, labels=ids).loss)
+    optim.step()
+    return {"strategy": type(fabric.strategy).__name__, "model": model}
+
+
+STEPS = {"accelerate": accelerate_step, "trainer": trainer_step, "fabric": fabric_step}
+
+
 def main() -> None:
     framework, mixed = sys.argv[1], sys.argv[2]
     model = tiny_qwen3_moe(bf16)
@@ -95,7 +128,7 @@ def main() -> None:
     seen = gate_dtypes(model)
     result: dict[str, Any] = {"error": None}
     try:
-        ran = (accelerate_step if framework == "accelerate" else trainer_step)(model, policy, mixed)
+        ran = STEPS[framework](model, policy, mixed)
         wrapped = ran.pop("model")
         result.update(ran, sharded=all(isinstance(p, DTensor) for p in wrapped.parameters()))
     except Exception as exc:  # noqa: BLE001 - reported

@@ -70,6 +70,21 @@ def test_one_process_under_a_launcher_applies_the_policy(framework: str) -> None
     assert ran["gates"] == FP32, ran
 
 
+def test_lightning_fabric_on_one_device() -> None:
+    """``ModelParallelStrategy`` on one device, no launcher: Fabric makes a world of one and
+    the ``parallelize_fn`` applies the policy; the default single-device strategy makes no
+    ``fully_shard`` call, and the policy built for the model stops its first step."""
+    pytest.importorskip(
+        "lightning", reason="lightning is not installed (pip install '.[lightning]')"
+    )
+    sharded = one_step("fabric", "bf16-true")
+    assert sharded["error"] is None and sharded["sharded"], sharded
+    assert sharded["strategy"] == "ModelParallelStrategy" and sharded["gates"] == FP32, sharded
+    single = one_step("fabric", "bf16-mixed")
+    assert single["error"].startswith("PolicyNotAppliedError"), single
+    assert single["changed"] == [], single
+
+
 def test_trainer_alone_refuses_fsdp_itself() -> None:
     ran = one_step("trainer", "bf16")
     assert "fsdp only works in distributed training" in ran["error"], ran
