@@ -137,6 +137,26 @@ def case_196996_wrap_model_for_training() -> None:
     check_layout("wrap_model_for_training")
 
 
+def by_hand(model: nn.Module) -> None:
+    """The public-API workaround built by hand, plain torch policies: each gate its own
+    ``param_dtype=None`` unit. With the patch installed (no map needed) its units take the
+    window too."""
+    plain = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    for block in model.blocks:
+        fully_shard(block.gate, mp_policy=MixedPrecisionPolicy(reduce_dtype=fp32))
+        fully_shard(block.moe, mp_policy=plain)
+        fully_shard(block, mp_policy=plain)
+    fully_shard(model, mp_policy=plain)
+
+
+def case_196996_hand_built_separate_units() -> None:
+    ours = window_grads(by_hand, fp32, sync_every=False)
+    reference = window_grads(by_hand, fp32, sync_every=True)
+    assert ours[f"blocks.1.moe.experts.{LATE}.down.weight"].abs().sum() > 0
+    for key, grad in ours.items():
+        torch.testing.assert_close(grad, reference[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
 def case_196996_reduce_scatter_unused_params() -> None:
     """The report's second trigger: unused parameters reduce-scattered as zeros (in their
     compute dtype) beside accumulated fp32 gradients; the unused head gets zeros."""
