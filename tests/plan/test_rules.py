@@ -394,13 +394,14 @@ def test_split_strategy_kept_in_a_third_dtype_gets_that_param_dtype() -> None:
         assert child.policy.output_dtype == outputs
         assert {p.fqn: p.compute for p in child.params} == {"lin.weight": fp16, "lin.bias": fp16}
     # Stored in the kept dtype: with no boundary cast, param_dtype=None (the activation
-    # boundary does not move); with one, the unit casts its inputs to fp32.
+    # boundary does not move; the caller's cast_forward_inputs is kept, and casts nothing);
+    # with one, the unit casts its inputs to fp32.
     for boundary, param_dtype in [("none", None), ("auto", torch.float32)]:
         rules = PrecisionRules(rules=(ModuleClass(nn.Linear, boundary=boundary),))
         plan = compile_param_dtype_maps(model, rules, [model], layout="separate_units")
         (child,) = [u for u in plan.units if u.separate_unit]
         assert child.policy.param_dtype == param_dtype
-        assert child.policy.cast_forward_inputs is (boundary == "auto")
+        assert child.policy.cast_forward_inputs is True
 
 
 # ---------------------------------------------------------------------- plans, explain, JSON
@@ -662,7 +663,11 @@ def test_wrap_separate_units_trains_like_the_mapped_plan(
     layout = separate_layout(plan)
     if boundary == "none":  # no cast: the kept units leave the activations alone
         assert [u.policy.param_dtype for u in layout if u.kept] == kept
-        assert all(not u.policy.cast_forward_inputs for u in layout if u.kept)
+        # param_dtype=None casts nothing whatever cast_forward_inputs says (the caller's, kept);
+        # a kept unit with a param_dtype of its own casts no input
+        assert all(
+            u.policy.cast_forward_inputs is (u.policy.param_dtype is None) for u in layout if u.kept
+        )
     else:  # the boundary casts are the kept units' own input (and output) casts
         assert plan.module_casts and all(u.policy.cast_forward_inputs for u in layout if u.kept)
         assert [u.policy.param_dtype for u in layout if u.kept] == [

@@ -88,6 +88,7 @@ def model_policy(
         param_dtype=unit_policy.param_dtype,
         reduce_dtype=rules.reduce_dtype,
         output_dtype=unit_policy.output_dtype,
+        cast_forward_inputs=rules.cast_forward_inputs,
         param_dtype_map=mapped,
         module_casts=casts,
         scope=ModelScope(

@@ -1,9 +1,9 @@
 """The separate-units layout: the public-API way to keep parameters in another dtype.
 
 Every module holding mapped parameters becomes its own ``fully_shard`` unit (``param_dtype=None``
-when they are stored in the dtype they are kept in, else that dtype; no input cast, so the
-activation boundary does not move), then the planned units follow with plain
-``MixedPrecisionPolicy``. One layout serves three uses: ``layout="separate_units"``, the
+when they are stored in the dtype they are kept in, else that dtype, and no input cast: the
+activation boundary does not move; the caller's other fields kept), then the planned units
+follow with plain ``MixedPrecisionPolicy``, every unit after the units inside it. One layout serves three uses: ``layout="separate_units"``, the
 ``"separate_units"`` estimate of ``PrecisionPlan.alternatives()``, and the reference builder
 :func:`wrap_separate_units`.
 """
@@ -119,11 +119,15 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
                 cast_forward_inputs=True,
             )
         same = all(by_name[f].storage == dtype for f in kept if _inside(names, f))
+        # A kept child keeps every field the caller set but param_dtype (verl's
+        # replace(mp_policy, param_dtype=None)); with a param_dtype of its own (kept in another
+        # dtype than stored) it casts no input: without a boundary cast, the module does.
+        given: Any = plan.rules if base is None else base
         return MixedPrecisionPolicy(
             param_dtype=None if same else dtype,
-            reduce_dtype=plan.rules.reduce_dtype if base is None else base.reduce_dtype,
-            output_dtype=None if base is None else base.output_dtype,
-            cast_forward_inputs=False if base is None else base.cast_forward_inputs,
+            reduce_dtype=given.reduce_dtype,
+            output_dtype=given.output_dtype,
+            cast_forward_inputs=given.cast_forward_inputs and (same or base is not None),
         )
 
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -150,7 +154,28 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
                 cast_forward_inputs=unit.policy.cast_forward_inputs,
             )
         layout.append(SeparateUnit(names, policy, kept=False))
-    return tuple(layout)
+    return _children_first(layout)
+
+
+def _children_first(layout: list[SeparateUnit]) -> tuple[SeparateUnit, ...]:
+    """``layout`` with every unit after the units inside it, otherwise in its order: a kept
+    module that contains a planned unit (``k`` owning a kept parameter beside the unit
+    ``k.inner``) is wrapped after it, not before (``fully_shard`` cannot wrap inside a unit)."""
+    pending = list(layout)
+    ordered: list[SeparateUnit] = []
+    while pending:
+        for i, unit in enumerate(pending):
+            if not any(
+                other is not unit and _contains(unit.modules, other.modules) for other in pending
+            ):
+                ordered.append(pending.pop(i))
+                break
+    return tuple(ordered)
+
+
+def _contains(outer: Sequence[str], inner: Sequence[str]) -> bool:
+    """Whether a module of ``inner`` lies strictly under a module of ``outer``."""
+    return any(_inside([o], i) and i != o for o in outer for i in inner)
 
 
 def separate_units_plan(plan: PrecisionPlan) -> PrecisionPlan:
