@@ -3,9 +3,9 @@
 Every module holding mapped parameters becomes its own ``fully_shard`` unit (``param_dtype=None``
 when they are stored in the dtype they are kept in, else that dtype, and no input cast: the
 activation boundary does not move; the caller's other fields kept), then the planned units
-follow with plain ``MixedPrecisionPolicy``, every unit after the units inside it. One layout serves three uses: ``layout="separate_units"``, the
-``"separate_units"`` estimate of ``PrecisionPlan.alternatives()``, and the reference builder
-:func:`wrap_separate_units`.
+follow with plain ``MixedPrecisionPolicy``, every unit after the units inside it. One layout
+serves three uses: ``layout="separate_units"``, the ``"separate_units"`` estimate of
+``PrecisionPlan.alternatives()``, and the reference builder :func:`wrap_separate_units`.
 """
 
 from __future__ import annotations
