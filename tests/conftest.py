@@ -4,7 +4,8 @@ Tiers, each runnable alone (the README's ``./dev test`` runs them all):
 
 - ``fast``: in the test process, no spawned ranks and no integration package;
 - ``distributed``: spawns gloo process groups (``tests.support.harness``);
-- ``integration``: the real framework packages (``tests/integrations/``).
+- ``integration``: the real framework packages (``tests/integrations/``);
+- ``slow``: opt-in (``pytest -m slow``), released model sizes; skipped otherwise.
 
 Every test gets the markers of its tier here: ``pytest -m fast``, ``-m distributed``,
 ``-m integration``.
@@ -25,8 +26,11 @@ from fsdp_precision._base.dist import free_port
 _INTEGRATIONS = Path(__file__).parent / "integrations"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    opted_in = "slow" in (config.getoption("-m") or "")
     for item in items:
+        if "slow" in item.keywords and not opted_in:
+            item.add_marker(pytest.mark.skip(reason="opt-in: released sizes, run with -m slow"))
         if _INTEGRATIONS in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
         elif "distributed" not in item.keywords:

@@ -205,6 +205,54 @@ def wan() -> nn.Module:
     )
 
 
+#: LTX-2.3's shape of LTX2VideoTransformer3DModel (diffusers' transformer_ltx2.py): gated
+#: attention and prompt modulation on both modalities, no caption projection (2.3 projects per
+#: modality in its connector). ``ltx23(full=True)``: the released sizes (video 32 x 128, audio
+#: 32 x 64, one layer), for the opt-in slow tier.
+LTX23 = {
+    "gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True,
+    "audio_cross_attn_mod": True, "use_prompt_embeddings": False, "patch_size": 1,
+    "patch_size_t": 1, "qk_norm": "rms_norm_across_heads", "rope_double_precision": False,
+}  # fmt: skip
+LTX23_TINY = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
+    "cross_attention_dim": 16, "audio_in_channels": 4, "audio_out_channels": 4,
+    "audio_num_attention_heads": 2, "audio_attention_head_dim": 4,
+    "audio_cross_attention_dim": 8, "num_layers": 2, "caption_channels": 16,
+}  # fmt: skip
+LTX23_FULL = {
+    "in_channels": 128, "out_channels": 128, "num_attention_heads": 32,
+    "attention_head_dim": 128, "cross_attention_dim": 4096, "audio_in_channels": 128,
+    "audio_out_channels": 128, "audio_num_attention_heads": 32, "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048, "num_layers": 1, "caption_channels": 3840,
+}  # fmt: skip
+
+
+def ltx23(full: bool = False) -> nn.Module:
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return LTX2VideoTransformer3DModel(**LTX23, **(LTX23_FULL if full else LTX23_TINY))
+
+
+def ltx23_inputs(model: nn.Module, g: torch.Generator) -> dict[str, Any]:
+    """Video (2 frames of 4 x 4 latents), audio (9 frames) and 6 prompt tokens per modality."""
+    config: Any = model.config  # type: ignore[union-attr]
+    frames, height, width, prompt = 2, 4, 4, 6
+    video_dim = config.num_attention_heads * config.attention_head_dim
+    audio_dim = config.audio_num_attention_heads * config.audio_attention_head_dim
+    return {
+        "hidden_states": torch.randn(1, frames * height * width, config.in_channels, generator=g),
+        "audio_hidden_states": torch.randn(1, 9, config.audio_in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, prompt, video_dim, generator=g),
+        "audio_encoder_hidden_states": torch.randn(1, prompt, audio_dim, generator=g),
+        "timestep": torch.rand(1, generator=g) * 1000,
+        "sigma": torch.rand(1, generator=g),
+        "encoder_attention_mask": torch.ones(1, prompt, dtype=torch.bool),
+        "num_frames": frames, "height": height, "width": width, "audio_num_frames": 9,
+        "fps": 25.0, "return_dict": False,
+    }  # fmt: skip
+
+
 def wan_model_inputs(g: torch.Generator) -> dict[str, Any]:
     return {
         "hidden_states": torch.randn(1, 4, 2, 4, 4, generator=g),
