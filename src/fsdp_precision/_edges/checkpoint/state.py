@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
@@ -129,6 +131,10 @@ def load_model_state_dict(
 
     An incoming tensor whose dtype differs from the destination parameter's is cast to the
     destination dtype in a copy: the model keeps its dtypes, the caller's dict is not modified.
+    The state dict's ``_metadata`` (each module's version, by which its ``_load_from_state_dict``
+    migrates older layouts) reaches the modules in a sharded load and in one process; a full
+    load across ranks goes through DCP's broadcast, which rebuilds the state dict on the other
+    ranks without it, so there no rank gets it (rather than rank 0 alone).
 
     Built on :func:`torch.distributed.checkpoint.state_dict.set_model_state_dict`.
     """
@@ -146,7 +152,13 @@ def load_model_state_dict(
     else:
         raise_collectively(error)
 
-    prepared: dict[str, Any] = {}
+    # The modules' versions, which their _load_from_state_dict migrates old layouts by. DCP's
+    # broadcast of a full state dict rebuilds it on the other ranks without them, so there
+    # they would reach rank 0 alone: kept where every rank loads its own dict.
+    metadata = getattr(state_dict, "_metadata", None)
+    prepared: dict[str, Any] = OrderedDict()
+    if metadata is not None and (kind == "sharded" or rank_world()[1] == 1):
+        prepared._metadata = copy.copy(metadata)  # type: ignore[attr-defined]
     if reads_input:
         for key, value in state_dict.items():
             dest = destination.get(key)
