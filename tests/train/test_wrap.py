@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +28,12 @@ from fsdp_precision import (
     plan_model_for_training,
     wrap_model_for_training,
 )
+from fsdp_precision.checkpoint import load_checkpoint, save_checkpoint
 
 from tests.support.harness import collect_cases, distributed_suite
 from tests.support.models import (
     Net,
+    assert_same_params,
     bf16,
     clones,
     fp16,
@@ -412,6 +417,51 @@ def case_apply_refuses_knobs_the_plan_does_not_count() -> None:
     ):
         plan.apply(reshard_after_forward=False)
     assert not isinstance(model.head.weight, DTensor)  # nothing was wrapped
+
+
+def offloaded_units(model: torch.nn.Module) -> list[bool]:
+    """Per unit, whether FSDP offloads its parameters (torch's state: the unit's params)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[attr-defined]
+                found += [p.offload_to_cpu for p in group.fsdp_params]
+    return found
+
+
+def case_cpu_offload_is_applied_and_its_checkpoint_round_trips() -> None:
+    """``fsdp_cpu_offload=True`` reaches every unit (asserted from FSDP's state, not inferred
+    from the numbers, which match on a CPU machine either way), its sharded parameters live on
+    the CPU, and a sharded checkpoint of the offloaded model loads back bitwise into another."""
+    config = DistributedConfig(
+        fsdp_auto_wrap_min_params=900,
+        fsdp_mixed_precision=PrecisionRules(rules=KEEP),
+        fsdp_cpu_offload=True,
+    )
+    plain = wrap_model_for_training(net(), replace(config, fsdp_cpu_offload=False))
+    assert offloaded_units(plain) and not any(offloaded_units(plain))  # the negative control
+    model = wrap_model_for_training(net(), config)
+    flags = offloaded_units(model)
+    assert len(flags) == len(list(model.parameters())) and all(flags), flags
+    assert all(local(p).device.type == "cpu" for p in model.parameters())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model(inputs(0))).backward()
+    optim.step()
+    where = [tempfile.mkdtemp() if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        save_checkpoint(Path(where[0]) / "ckpt", model, optim)
+        other = wrap_model_for_training(net(seed=7), config)
+        other_optim = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        load_checkpoint(Path(where[0]) / "ckpt", other, other_optim)
+        assert_same_params(model, other)
+        assert all(offloaded_units(other))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
 
 
 def case_cpu_offload_trains_like_no_offload() -> None:
