@@ -8,6 +8,7 @@ tensors stay stored in fp32 inside the same unit. On 1 rank (in-process) and 2 r
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -30,10 +31,13 @@ def test_one_rank(arch: str, setup: str) -> None:
 
 
 @pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("arch", AUTOCAST_ARCHS)
-def test_one_rank_under_autocast(arch: str, setup: str) -> None:
-    run_arch(arch, stored_low=SETUPS[setup], autocast=True)
+def test_one_rank_under_autocast(arch: str, setup: str, autocast: torch.dtype) -> None:
+    """bf16 and fp16 autocast (the verl seed's references), over the model's own direct
+    low-precision setups above."""
+    run_arch(arch, stored_low=SETUPS[setup], autocast=autocast)
 
 
 def _make_case(arch: str, setup: str):

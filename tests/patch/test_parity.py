@@ -279,6 +279,28 @@ def case_gradient_accumulation_without_sync() -> None:
         assert param.grad.dtype == fp32, name
 
 
+def prefetching(model: nn.Module) -> nn.Module:
+    """Explicit prefetch (verl's seed): each block's unit gathers the next in its forward and
+    the previous in its backward."""
+    blocks = list(model.blocks)
+    for current, following in zip(blocks, blocks[1:], strict=False):
+        current.set_modules_to_forward_prefetch([following])
+        following.set_modules_to_backward_prefetch([current])
+    assert blocks[0]._get_fsdp_state()._states_to_forward_prefetch  # it took
+    return model
+
+
+def case_forward_prefetch_on_and_off() -> None:
+    """The in-unit map is bitwise the separate-units reference with explicit forward and
+    backward prefetch and without, and prefetching changes no number."""
+    ref, ours, ref_prefetch, ours_prefetch = clones(net(depth=3), 4)
+    wrap_children(ref)
+    wrap_mapped(ours)
+    prefetching(wrap_children(ref_prefetch))
+    prefetching(wrap_mapped(ours_prefetch))
+    train_in_lockstep([ref, ours, ref_prefetch, ours_prefetch], steps=2)
+
+
 def case_cpu_offload_policy() -> None:
     ref, ours = clones(net(), 2)
     offload = CPUOffloadPolicy(pin_memory=False)

@@ -22,7 +22,7 @@ from tests.support.hf_models import ARCHS, wan_model
 fp32 = torch.float32
 
 
-def run_arch(name: str, *, stored_low: bool, autocast: bool = False) -> None:
+def run_arch(name: str, *, stored_low: bool, autocast: torch.dtype | None = None) -> None:
     """``stored_low``: the model is stored in the arch dtype with kept tensors in fp32 (what
     ``from_pretrained(dtype=...)`` gives); else fp32 master weights with a low compute dtype."""
     arch = ARCHS[name] if name != "wan" else wan_model()
@@ -50,7 +50,7 @@ def run_arch(name: str, *, stored_low: bool, autocast: bool = False) -> None:
             ),
             inputs,
         )
-    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else None
+    context = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else None
     report = verify_parity(plan, inputs, context=context)
     assert report.ok, (name, report.problems()[:8])
     assert report.grads_bitwise_expected
