@@ -18,7 +18,12 @@ import fsdp_precision as fp
 from fsdp_precision import hf
 from fsdp_precision.testing import GatherProbe
 
-from tests.support.hf_models import deepseek_v3, requires_transformers_5, t5
+from tests.support.hf_models import (
+    _transformers_major,
+    deepseek_v3,
+    requires_transformers_5,
+    t5,
+)
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -226,3 +231,38 @@ def test_no_block_name_resolving_is_an_error_not_a_root_only_plan() -> None:
         fp.compile_param_dtype_maps(model, fp.PrecisionRules())  # default units: the same
     # The size policy never needed the names: it still plans.
     assert fp.plan_model_for_training(model, fp.DistributedConfig()).units
+
+
+# --------------------------------------------- nested, overlapping and duplicate declarations
+
+
+def _overlapping_llama() -> nn.Module:
+    class Overlapping(transformers.LlamaForCausalLM):
+        # nested and overlapping (mlp holds gate_proj), duplicate (mlp twice), and a name
+        # several modules end in (norm); 4.x refuses dotted entries ("not part of the modules")
+        _keep_in_fp32_modules_strict = ["mlp", "gate_proj", "mlp", "norm"]
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Overlapping(config)
+
+
+def test_nested_overlapping_and_duplicate_declarations_keep_what_from_pretrained_keeps() -> None:
+    model = _overlapping_llama()
+    loaded = _loaded(model, bf16)
+    cast = hf.cast_keeping_fp32(copy.deepcopy(model), bf16)
+    assert _dtypes(cast) == _dtypes(loaded)
+    kept = {n for n, p in loaded.named_parameters() if p.dtype == fp32}
+    assert any(".mlp.gate_proj." in n for n in kept) and any(".mlp.up_proj." in n for n in kept)
+    # "norm": whole dotted segments on transformers 4.x (model.norm), an unanchored search on
+    # 5.x (the layer norms too), as each release's from_pretrained matches
+    assert "model.norm.weight" in kept
+    assert any("layernorm" in n for n in kept) == ((_transformers_major() or 5) >= 5)
+    assert not any("self_attn" in n for n in kept)  # the negative control: not declared
+    plan = fp.compile_param_dtype_maps(loaded, fp.PrecisionRules(param_dtype=bf16), [loaded])
+    (unit,) = plan.units
+    assert set(unit.param_dtype_map) == kept  # overlapping declarations: one claim each
+    assert all(dtype == fp32 for dtype in unit.param_dtype_map.values())
