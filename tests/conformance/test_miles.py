@@ -57,6 +57,16 @@ def case_a_map_on_a_call_that_manages_no_parameter_maps_nothing() -> None:
     with GatherProbe(net) as probe:
         net(torch.randn(2, 8)).float().sum().backward()
     assert probe.seen["0.router.weight"].dtype == fp32 and probe.seen["0.proj.weight"].dtype == bf16
+    # A key that names no parameter under a call that manages none, relative to any module,
+    # is a typo nothing else would report: warned, with a did-you-mean.
+    typo = mapped({"router.weigth": fp32})
+    lone = nn.Sequential(Routed())
+    fully_shard(lone[0], mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
+    with pytest.warns(
+        UserWarning,
+        match=r"\['router\.weigth'\] name no parameter under it \(did you mean '0\.router\.weight'\?\)",
+    ):
+        fully_shard(lone, mp_policy=typo)
     # Control: a call that does manage parameters still refuses a key that names none of them.
     other = nn.Sequential(Routed(), nn.Linear(8, 8))
     fully_shard(other[0], mp_policy=policy)

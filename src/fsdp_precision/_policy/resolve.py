@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,11 +65,7 @@ def resolve_param_dtype_map(
     if getattr(policy, "scope", None) is not None:  # a model_policy: by slot, not by key
         return _resolve_scoped(modules, params, policy)
     if not params:  # Miles passes one policy to every call: nothing to map here
-        logger.debug(
-            "fully_shard(%s) manages no parameter: its param_dtype_map (%d keys) maps nothing",
-            type(modules[0]).__name__,
-            len(policy.param_dtype_map or {}),
-        )
+        _warn_unknown_keys(modules, policy)
         return ResolvedMap(by_param={}, by_slot={}, fqns={})
     managed = {id(p) for p in params}
     fqns: dict[int, list[str]] = {}
@@ -164,6 +161,38 @@ def _check_trainable(params: Sequence[nn.Parameter], fqns: dict[int, list[str]])
                 "gradients once the unit mixes dtypes; pass it in ignored_params (and reduce "
                 "its gradient yourself), freeze it, or wrap it in its own fully_shard unit"
             )
+
+
+def _warn_unknown_keys(
+    modules: Sequence[nn.Module], policy: ParamDtypeMixedPrecisionPolicy
+) -> None:
+    """A call that manages no parameter maps nothing, and its keys are no error (Miles passes
+    one policy to every call; inner units own what they name, relative to themselves). A key
+    that names no parameter under the call, relative to any module, is a typo nothing would
+    ever report: warned, with a did-you-mean."""
+    names = {n for m in modules for n, _ in m.named_parameters(remove_duplicate=False)}
+    unknown = [
+        k
+        for k in policy.param_dtype_map or {}
+        if not any(n == k or n.endswith("." + k) for n in names)
+    ]
+    logger.debug(
+        "fully_shard(%s) manages no parameter: its param_dtype_map (%d keys) maps nothing",
+        type(modules[0]).__name__,
+        len(policy.param_dtype_map or {}),
+    )
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    warnings.warn(
+        f"fully_shard({type(modules[0]).__name__}) manages no parameter, and param_dtype_map "
+        f"keys {unknown[:4]} name no parameter under it{hint}: they map nothing in this call "
+        "or any other. Keys are FQNs relative to the module passed to fully_shard; fix or "
+        "remove them",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _unknown_key_message(
