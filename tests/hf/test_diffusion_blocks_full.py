@@ -47,11 +47,23 @@ def materialize(model: nn.Module) -> None:
             param.copy_(full)
 
 
+def fine(units: list[nn.Module]) -> list[nn.Module]:
+    """Each block's attentions and feed-forwards their own units, then the block, then the
+    root: a unit's fp32 reduce-scatter buffer holds all its gradients at once."""
+    out: list[nn.Module] = []
+    for block in units[:-1]:
+        out += [c for c in block.children() if sum(p.numel() for p in c.parameters()) > 1 << 20]
+        out.append(block)
+    return [*out, units[-1]]
+
+
 def run(name: str, layout: str, mesh: Any, hsdp: bool) -> tuple[torch.Tensor, dict[str, Any]]:
     with torch.device("meta"):
         driven, units, rules, make = BUILDERS[name](True)
         driven.to(bf16)
-    plan = fp.compile_param_dtype_maps(driven, rules, units, world_size=mesh.size(-1), hsdp=hsdp)
+    plan = fp.compile_param_dtype_maps(
+        driven, rules, fine(units), world_size=mesh.size(-1), hsdp=hsdp
+    )
     if layout == "in_unit":
         plan.apply(mesh=mesh)
     else:
