@@ -41,9 +41,13 @@ def cast_keeping_fp32(
 
     Floating parameters and persistent buffers are cast to ``dtype``, except the model's
     declared keeps, which stay in fp32 with every alias of a tied kept tensor (unlike
-    ``model.to(dtype)``, which undoes the declarations). Non-persistent buffers keep their
-    dtype: ``from_pretrained`` never loads them (rotary ``inv_freq`` stays fp32). Declarations
-    follow the installed library, through wrappers (a ``PeftModel``) and tie targets.
+    ``model.to(dtype)``, which undoes the declarations). Non-persistent buffers, which
+    ``from_pretrained`` never loads, get the dtype the model's class makes them in with
+    ``dtype`` as the default dtype, as under ``from_pretrained`` (rotary ``inv_freq``, made with
+    ``.float()``, stays fp32; Gemma's ``embed_scale`` goes to ``dtype``); those of kept modules,
+    and of a model whose class cannot be rebuilt from its config on meta, keep their dtype.
+    Declarations follow the installed library, through wrappers (a ``PeftModel``) and tie
+    targets.
 
     ``rules``: the :class:`~fsdp_precision.PrecisionRules` you will plan with; every parameter
     a user rule claims stays in the rule's dtype (when wider than ``dtype``), so the plan finds

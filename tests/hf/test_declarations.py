@@ -266,3 +266,45 @@ def test_nested_overlapping_and_duplicate_declarations_keep_what_from_pretrained
     (unit,) = plan.units
     assert set(unit.param_dtype_map) == kept  # overlapping declarations: one claim each
     assert all(dtype == fp32 for dtype in unit.param_dtype_map.values())
+
+
+def _gemma3() -> nn.Module:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "Gemma3TextConfig"), reason="this transformers has no Gemma 3"
+)
+def test_non_persistent_buffers_take_the_dtype_from_pretrained_builds_them_in() -> None:
+    """Gemma's ``embed_scale`` is made with ``torch.tensor(...)`` in ``__init__``: under
+    ``from_pretrained(dtype=bf16)`` it is bf16 (the load dtype is the default dtype then), while
+    the rotary ``inv_freq`` buffers, made with ``.float()``, stay fp32. The cast gives both."""
+    model = _gemma3()
+    scale = "model.embed_tokens.embed_scale"
+    assert model.get_buffer(scale).dtype == fp32  # built in fp32 here
+    for dtype in (fp16, bf16):
+        cast = hf.cast_keeping_fp32(copy.deepcopy(model), dtype)
+        assert cast.get_buffer(scale).dtype == dtype
+        assert _dtypes(cast) == _dtypes(_loaded(model, dtype))
+        # the embedding's output promotes to fp32 when embed_scale stays fp32
+        ids = torch.tensor([[1, 2, 3]])
+        assert cast.model.embed_tokens(ids).dtype == dtype
+    # A buffer of a module whose parameters are kept stays as it is.
+    rules = fp.PrecisionRules(rules=(fp.Glob("model.embed_tokens.weight"),))
+    kept = hf.cast_keeping_fp32(copy.deepcopy(model), bf16, rules=rules)
+    assert kept.model.embed_tokens.weight.dtype == fp32
+    assert kept.get_buffer(scale).dtype == fp32
+
+
+def test_a_model_whose_class_cannot_be_rebuilt_keeps_its_buffers() -> None:
+    """Control: without a config to rebuild from, non-persistent buffers keep their dtype."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_buffer("scale", torch.ones(4), persistent=False)
+    cast = hf.cast_keeping_fp32(model, bf16)
+    assert cast.get_buffer("scale").dtype == fp32 and cast[0].weight.dtype == bf16

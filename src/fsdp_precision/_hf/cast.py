@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_precision._hf.built import built_buffer_dtypes
 from fsdp_precision._hf.declarations import Declaration, declarations
 
 __all__ = ["cast_keeping_fp32", "keep_in_fp32_declarations", "kept_fqns", "load_state_dict_aligned"]
@@ -47,8 +48,12 @@ def cast_keeping_fp32(
 
     Floating parameters and persistent buffers are cast to ``dtype``, except the declared ones,
     which stay in fp32 with every alias of a tied kept tensor (unlike ``model.to(dtype)``, which
-    undoes the declarations). Non-persistent buffers keep their dtype: ``from_pretrained`` never
-    loads them (rotary ``inv_freq`` stays fp32). Declarations follow the installed library,
+    undoes the declarations). Non-persistent buffers, which ``from_pretrained`` never loads, get
+    the dtype the model's class makes them in when ``dtype`` is the default dtype, as under
+    ``from_pretrained`` (rotary ``inv_freq``, made with ``.float()``, stays fp32; Gemma's
+    ``embed_scale``, made with ``torch.tensor``, goes to ``dtype``), except inside modules whose
+    parameters are kept, and where the class cannot be rebuilt from its config on the meta
+    device, where they keep their dtype. Declarations follow the installed library,
     through wrappers (a ``PeftModel``) and tie targets (see
     :mod:`fsdp_precision._hf.declarations`). In place; returns ``model``. Tied tensors stay tied
     (each tensor is cast once, through its module attribute). ``keep`` names more parameters
@@ -58,6 +63,8 @@ def cast_keeping_fp32(
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     kept = kept_fqns(model, dtype)
     extra = _aliases(model, dict(keep or {}))
+    built = built_buffer_dtypes(model, dtype)
+    kept_modules = {fqn.rpartition(".")[0] for fqn in (*kept, *extra)}
     done: dict[int, Any] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
@@ -65,13 +72,16 @@ def cast_keeping_fp32(
             for name, tensor in list(store.items()):
                 if tensor is None or not tensor.is_floating_point():
                     continue
+                fqn = prefix + name
                 if store is module._buffers and name in module._non_persistent_buffers_set:
-                    continue  # never loaded by from_pretrained: it keeps its dtype
+                    # never loaded by from_pretrained: the dtype its class makes it in
+                    aside = _inside(module_name, kept_modules)
+                    want = tensor.dtype if aside else built.get(fqn, tensor.dtype)
+                else:
+                    want = extra.get(fqn) or (torch.float32 if fqn in kept else dtype)
                 if id(tensor) in done:
                     store[name] = done[id(tensor)]
                     continue
-                fqn = prefix + name
-                want = extra.get(fqn) or (torch.float32 if fqn in kept else dtype)
                 if tensor.dtype == want:
                     done[id(tensor)] = tensor
                     continue
@@ -82,6 +92,12 @@ def cast_keeping_fp32(
                 done[id(tensor)] = new
                 store[name] = new
     return model
+
+
+def _inside(module: str, modules: set[str]) -> bool:
+    """Whether ``module`` is one of ``modules`` or inside one (the root contains nothing here:
+    a kept parameter on the root puts only the root's own buffers aside)."""
+    return any(module == m or (m and module.startswith(f"{m}.")) for m in modules)
 
 
 def _aliases(model: nn.Module, keep: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
