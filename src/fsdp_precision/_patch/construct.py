@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed._composable_state import _module_state_mapping
@@ -37,6 +39,7 @@ from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR, tag_
 from fsdp_precision._policy.agree import agree, call_record, checking
 from fsdp_precision._policy.casts import install_cast
 from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
+from fsdp_precision._policy.inputs import install_input_cast
 from fsdp_precision._policy.native import native_policy
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.refusals import (
@@ -71,12 +74,15 @@ def init_param_group(
     call = registry.next_call()
     try:
         check_grad_dtype(registry.traits(), modules, params)
+        _check_input_cast(state, mp_policy)
     except ParamDtypeMapError as exc:
         _refuse(call, state, modules, params, args, mp_policy, exc)
         raise
     if not needs_resolution(mp_policy):
         _agree(call, state, modules, params, args, None, mp_policy)
-        return original(state, params, modules, *args, **kwargs)  # type: ignore[no-any-return]
+        original(state, params, modules, *args, **kwargs)
+        take_input_cast(state, modules, mp_policy)
+        return None
     assert isinstance(mp_policy, ParamDtypeMixedPrecisionPolicy)  # needs_resolution
     release = registry.traits()
     try:
@@ -91,6 +97,7 @@ def init_param_group(
     if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
         original(state, params, modules, *args, **kwargs)
         _after_call(mp_policy, resolved, modules)
+        take_input_cast(state, modules, mp_policy)
         return None
     before = len(state._fsdp_param_groups) if release.param_group_list else 0
     if native:
@@ -105,6 +112,7 @@ def init_param_group(
             if not native:  # the patched machinery reads each parameter's mapped dtype
                 setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
     _after_call(mp_policy, resolved, modules)
+    take_input_cast(state, modules, mp_policy)
     _log_mapped(modules, resolved, "native override" if native else "mapped")
     return None
 
@@ -157,6 +165,43 @@ def _agree(
         if not refusal:  # a refusing rank undoes and raises its own error
             undo_state_init(state, modules)
         raise
+
+
+def take_input_cast(state: Any, modules: Sequence[nn.Module], policy: MixedPrecisionPolicy) -> None:
+    """A policy with ``uncast_inputs``: the unit's input cast moves from FSDP into a forward
+    hook on each module that leaves the named arguments alone. FSDP casts through the policy
+    its state holds (``FSDPState.init`` stores it as ``_mp_policy``, a hashed function on every
+    release; 2.15 stores a copy); that copy stops casting, the hook casts the rest as FSDP
+    would, after FSDP's prepended pre-forward hook, which leaves the uncast inputs' values
+    alone."""
+    if not _takes_input_cast(policy):
+        return
+    assert isinstance(policy, ParamDtypeMixedPrecisionPolicy) and policy.param_dtype is not None
+    state._mp_policy = replace(state._mp_policy, cast_forward_inputs=False)
+    for module in modules:
+        install_input_cast(module, policy.param_dtype, policy.uncast_inputs)
+
+
+def _takes_input_cast(policy: MixedPrecisionPolicy) -> bool:
+    return (
+        isinstance(policy, ParamDtypeMixedPrecisionPolicy)
+        and bool(policy.uncast_inputs)
+        and policy.cast_forward_inputs
+        and policy.param_dtype is not None  # else FSDP casts no input: nothing to leave out
+    )
+
+
+def _check_input_cast(state: Any, policy: MixedPrecisionPolicy) -> None:
+    """Refuse ``uncast_inputs`` before anything is sharded where FSDP's state does not hold its
+    policy where :func:`take_input_cast` turns its cast off."""
+    if _takes_input_cast(policy) and not isinstance(
+        getattr(state, "_mp_policy", None), MixedPrecisionPolicy
+    ):
+        raise ParamDtypeMapError(
+            f"uncast_inputs needs FSDP's state to hold its policy as _mp_policy, which torch "
+            f"{torch.__version__} does not; drop uncast_inputs (the inputs are cast) or use a "
+            "supported torch release"
+        )
 
 
 def _local_names(modules: Sequence[nn.Module]) -> dict[int, list[str]]:

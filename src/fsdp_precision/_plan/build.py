@@ -23,6 +23,7 @@ from fsdp_precision._plan.quantized import gather_format
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
 from fsdp_precision._plan.rules import PrecisionRules, rule_label
 from fsdp_precision._policy.casts import ModuleCast
+from fsdp_precision._policy.inputs import accepted
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 from fsdp_precision._releases import release_traits
@@ -184,6 +185,7 @@ def _unit(
     first = spec.modules[0]
     keys = {} if grouped else local_casts(first, module_names[id(first)], casts)
     own = keys.get("") if spec.policy is None else None
+    uncast: frozenset[str] = frozenset()
     if own is not None and all(p.compute == own.inputs for p in params):
         # The unit's module is kept whole: it computes as a unit of that dtype, FSDP casting its
         # inputs (and its outputs back), as the separate-units layout makes it.
@@ -196,8 +198,9 @@ def _unit(
             cast_forward_inputs=True,
         )
     else:
+        uncast = frozenset() if spec.separate_unit else _uncast(spec.modules, rules, params, mapped)
         policy = spec.policy or _policy_for(
-            name, params, mapped, keys, rules, maps=maps, scope=scope
+            name, params, mapped, keys, rules, maps=maps, scope=scope, uncast=uncast
         )
     return PlannedUnit(
         name=name,
@@ -207,6 +210,7 @@ def _unit(
         is_root=any(m is model for m in spec.modules),
         separate_unit=spec.separate_unit,
         module_casts=casts,
+        uncast_inputs=uncast,
     )
 
 
@@ -307,18 +311,19 @@ def _policy_for(
     *,
     maps: bool,
     scope: ModelScope | None = None,
+    uncast: frozenset[str] = frozenset(),
 ) -> MixedPrecisionPolicy:
     # A unit whose every parameter computes in a mapped dtype (e.g. a norm or an embedder that
     # the size rule made its own unit) must not cast its inputs to param_dtype: that would move
     # the activation boundary and lose exactly the precision the rules keep.
     all_mapped = bool(params) and len(mapped) == len(params)
     cast = rules.cast_forward_inputs and not all_mapped
-    if not maps or not (mapped or casts):
-        return MixedPrecisionPolicy(
+    if not maps or not (mapped or casts or uncast):
+        return MixedPrecisionPolicy(  # with inputs left uncast, apply() installs the cast
             param_dtype=rules.param_dtype,
             reduce_dtype=rules.reduce_dtype,
             output_dtype=rules.output_dtype,
-            cast_forward_inputs=cast,
+            cast_forward_inputs=cast and not uncast,
         )
     trainable_dtypes = {p.compute for p in params if p.reduce is not None}
     if len(trainable_dtypes) > 1 and rules.reduce_dtype is None:
@@ -335,6 +340,7 @@ def _policy_for(
             cast_forward_inputs=cast,
             param_dtype_map={fqn: dtype for fqn, dtype in scope.entries.values()},
             module_casts={fqn: c for fqn, c in scope.casts.values()},
+            uncast_inputs=uncast,
             scope=scope,
         )
     return ParamDtypeMixedPrecisionPolicy(
@@ -344,7 +350,22 @@ def _policy_for(
         cast_forward_inputs=cast,
         param_dtype_map=mapped,
         module_casts=casts,
+        uncast_inputs=uncast,
     )
+
+
+def _uncast(
+    modules: Sequence[nn.Module],
+    rules: PrecisionRules,
+    params: Sequence[PlannedParam],
+    mapped: dict[str, torch.dtype],
+) -> frozenset[str]:
+    """The ``rules.uncast_inputs`` a unit's input cast leaves out: those its modules' forwards
+    take, where the unit casts inputs at all (a unit of kept parameters only casts none)."""
+    all_mapped = bool(params) and len(mapped) == len(params)
+    if not rules.cast_forward_inputs or rules.param_dtype is None or all_mapped:
+        return frozenset()
+    return frozenset().union(*(accepted(m, rules.uncast_inputs) for m in modules))
 
 
 def _check_ties(fqns_of: dict[int, list[str]], unit_prefixes: list[list[str]]) -> None:

@@ -91,6 +91,7 @@ def model_policy(
         cast_forward_inputs=rules.cast_forward_inputs,
         param_dtype_map=mapped,
         module_casts=casts,
+        uncast_inputs=frozenset(rules.uncast_inputs),
         scope=ModelScope(
             root=id(model),
             model=type(model).__name__,

@@ -26,6 +26,8 @@ from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.units import UnitChoice
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.casts import ModuleCast
+from fsdp_precision._policy.inputs import install_input_cast
+from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases.status import patch_status
 
 __all__ = ["PrecisionPlan"]
@@ -152,13 +154,14 @@ class PrecisionPlan:
         for unit in self.units:
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             fully_shard(target, mp_policy=unit.policy, **kwargs)
+            _cast_inputs_of_plain_unit(unit)
         average_gradients(scalars, kwargs.get("mesh"))
         # Mapped units had it done by their construction step; the others are plain calls.
         keep_output_recording([m for u in self.units if not u.param_dtype_map for m in u.modules])
         return self.model
 
     def _install_patch(self) -> None:
-        if any(u.param_dtype_map or u.module_casts for u in self.units):
+        if any(u.param_dtype_map or u.module_casts or _policy_uncast(u) for u in self.units):
             apply_param_dtype_map_patch()  # needed: raises where the torch cannot take it
         elif self.fallback is None and patch_status().usable:
             apply_param_dtype_map_patch()  # for the reduce alone (contract point 3)
@@ -200,3 +203,19 @@ class PrecisionPlan:
     def explain(self, *, max_params: int = 12) -> str:
         """A human table: per unit, who claimed what, bytes per all-gather, collectives."""
         return report.explain(self, max_params=max_params)
+
+
+def _policy_uncast(unit: PlannedUnit) -> bool:
+    """Whether the unit's own policy leaves inputs uncast (its construction installs the cast)."""
+    return isinstance(unit.policy, ParamDtypeMixedPrecisionPolicy) and bool(
+        unit.policy.uncast_inputs
+    )
+
+
+def _cast_inputs_of_plain_unit(unit: PlannedUnit) -> None:
+    """A plain policy's unit with inputs left uncast (the separate-units layout): its policy
+    casts none, the cast that leaves them out goes on each module."""
+    dtype = unit.policy.param_dtype
+    if unit.uncast_inputs and not _policy_uncast(unit) and dtype is not None:
+        for module in unit.modules:
+            install_input_cast(module, dtype, unit.uncast_inputs)

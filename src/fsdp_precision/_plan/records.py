@@ -111,6 +111,11 @@ class PlannedUnit:
         module_casts: Root-relative module FQN -> the boundary cast of each module the call
             keeps whole (:mod:`fsdp_precision._plan.casts`); the policy holds them relative to
             the call's module (by module for a grouped call). (Default: none)
+        uncast_inputs: Forward argument names the call's input cast leaves in the dtype they
+            arrive in (``PrecisionRules.uncast_inputs`` that its modules take). In a mapped
+            policy they are the policy's own; a plain policy (the separate-units layout) casts
+            no input, and :meth:`PrecisionPlan.apply` installs the cast that leaves them out.
+            (Default: none)
     """
 
     name: str
@@ -120,6 +125,7 @@ class PlannedUnit:
     is_root: bool
     separate_unit: bool = False
     module_casts: Mapping[str, ModuleCast] = field(default_factory=dict)
+    uncast_inputs: frozenset[str] = frozenset()
 
     @property
     def split_child(self) -> bool:

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_name
 from fsdp_precision._policy.casts import BOUNDARIES, Boundary
+from fsdp_precision._policy.inputs import check_uncast_inputs
 
 __all__ = [
     "ADVICE_MODES",
@@ -212,6 +213,11 @@ class PrecisionRules:
             (Default: ``torch.float32``)
         output_dtype (Optional[torch.dtype]): Passed to every unit's policy. (Default: ``None``)
         cast_forward_inputs (bool): Passed to every unit's policy. (Default: ``True``)
+        uncast_inputs (tuple[str, ...]): Forward argument names the units' input cast leaves in
+            the dtype they arrive in (a timestep embedding or a rotary table computed in fp32,
+            which the unit upcasts itself: Wan's ``temb``, ``rotary_emb``). Each unit whose
+            forward takes one of them gets it in its policy's ``uncast_inputs``; the plan's
+            trace lists the inputs a unit's cast rounds. (Default: ``()``)
         rules (tuple[Glob | ModuleClass, ...]): Ordered; the first matching rule claims a
             parameter. (Default: ``()``)
         hf_keep_in_fp32 (bool): Honour the model's ``_keep_in_fp32_modules`` (and ``_strict``)
@@ -233,6 +239,7 @@ class PrecisionRules:
     reduce_dtype: torch.dtype | None = torch.float32
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    uncast_inputs: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     hf_keep_in_fp32: bool = True
     advice: AdviceMode = "report"
@@ -254,6 +261,12 @@ class PrecisionRules:
                     "write Glob('*.norm.weight', torch.float32) or ModuleClass(nn.LayerNorm)"
                 )
         object.__setattr__(self, "rules", tuple(self.rules))
+        try:
+            names = check_uncast_inputs(self.uncast_inputs)
+        except ValueError as exc:
+            raise ValueError(f"PrecisionRules.{exc}") from None
+        in_order = dict.fromkeys(n for n in (self.uncast_inputs or ()) if n in names)
+        object.__setattr__(self, "uncast_inputs", tuple(in_order))
         if not isinstance(self.hf_keep_in_fp32, bool):
             raise ValueError(
                 "PrecisionRules.hf_keep_in_fp32 must be True or False, got "
@@ -288,4 +301,7 @@ class PrecisionRules:
         reduce = dtype_name(self.reduce_dtype) if self.reduce_dtype else "torch's default"
         hf = ", then model keep-in-fp32 declarations" if self.hf_keep_in_fp32 else ""
         advice = ", then the advice" if self.advice == "apply" else ""
-        return f"default {default}, reduce {reduce}; rules: {rules}{hf}{advice}"
+        uncast = (
+            f"; inputs left uncast: {', '.join(self.uncast_inputs)}" if self.uncast_inputs else ""
+        )
+        return f"default {default}, reduce {reduce}; rules: {rules}{hf}{advice}{uncast}"

@@ -147,11 +147,11 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
         if owned:
             policy = policy_of(names, dtypes.pop(), unit.policy)
         else:
-            policy = MixedPrecisionPolicy(
+            policy = MixedPrecisionPolicy(  # inputs left uncast: apply() installs the cast
                 param_dtype=unit.policy.param_dtype,
                 reduce_dtype=unit.policy.reduce_dtype,
                 output_dtype=unit.policy.output_dtype,
-                cast_forward_inputs=unit.policy.cast_forward_inputs,
+                cast_forward_inputs=unit.policy.cast_forward_inputs and not unit.uncast_inputs,
             )
         layout.append(SeparateUnit(names, policy, kept=False))
     return _children_first(layout)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_repr
 from fsdp_precision._policy.casts import ModuleCast
+from fsdp_precision._policy.inputs import check_uncast_inputs
 
 __all__ = ["ParamDtypeMixedPrecisionPolicy"]
 
@@ -87,6 +88,14 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             floating inputs cast to a dtype, outputs optionally cast back. The hooks are
             registered when the call succeeds. Rules compile them for kept modules
             (``Glob(..., boundary=...)``). ``None`` means ``{}``. (Default: ``{}``)
+        uncast_inputs (frozenset[str]): Forward argument names of the module(s) passed to
+            ``fully_shard`` whose floating tensors the input cast leaves in the dtype they
+            arrive in: a timestep embedding or rotary table computed in fp32 that the unit
+            upcasts itself (Wan's ``temb``). With ``cast_forward_inputs`` and a
+            ``param_dtype``, the unit's input cast then runs in a forward hook the call
+            installs, every other argument cast as FSDP casts it; positional arguments match
+            through the forward's signature, names the forward does not take match nothing.
+            Any iterable of names; ``None`` means none. (Default: ``frozenset()``)
 
     On torch 2.15 the parent also has ``param_dtype_override_fn`` (keyword-only); it may not be
     combined with a non-empty ``param_dtype_map``.
@@ -94,6 +103,7 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
 
     param_dtype_map: Mapping[str, torch.dtype] | None = field(default_factory=dict)
     module_casts: Mapping[str, ModuleCast] | None = field(default_factory=dict)
+    uncast_inputs: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -131,6 +141,7 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
             )
         object.__setattr__(self, "param_dtype_map", _FrozenMap(checked))
         object.__setattr__(self, "module_casts", _FrozenMap(_checked_casts(self.module_casts)))
+        object.__setattr__(self, "uncast_inputs", check_uncast_inputs(self.uncast_inputs))
 
 
 def _checked_casts(raw: object) -> dict[str, ModuleCast]:

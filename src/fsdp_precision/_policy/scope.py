@@ -103,6 +103,7 @@ class ModelScopedPolicy(ParamDtypeMixedPrecisionPolicy):
         }
         record["param_dtype_map"] = dict(self.param_dtype_map or {})
         record["module_casts"] = dict(self.module_casts or {})
+        record["uncast_inputs"] = tuple(sorted(self.uncast_inputs))  # plain containers only
         return (_plain_policy, (record,))
 
     def __copy__(self) -> ModelScopedPolicy:

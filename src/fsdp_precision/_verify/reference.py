@@ -3,7 +3,8 @@
 It emulates exactly what FSDP does to numerics (see :mod:`fsdp_precision._verify.parity`):
 parameters cast to their planned compute dtype with storage-dtype masters for the optimizer, each
 unit's
-inputs cast to its ``param_dtype`` and outputs to its ``output_dtype``, grad-requiring inputs
+inputs cast to its ``param_dtype`` (but those it leaves uncast) and outputs to its
+``output_dtype``, grad-requiring inputs
 through an identity autograd node, and gradients through the unit's ``reduce_dtype``. Where the
 release defers the gradient upcast to the reduce-scatter (2.15, ``defers_grad_upcast``), the
 compute-dtype parameters it concerns carry no ``grad_dtype``, as FSDP's unsharded ones do in
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._policy.casts import install_cast
+from fsdp_precision._policy.inputs import argument_names, cast_inputs
 from fsdp_precision._releases import release_traits
 
 __all__ = ["Reference"]
@@ -50,11 +52,17 @@ class _Identity(torch.autograd.Function):
         return grads
 
 
-def _pre_forward(cast_to: torch.dtype | None, identity: bool) -> Callable[..., Any]:
+def _pre_forward(
+    cast_to: torch.dtype | None, identity: bool, module: nn.Module, uncast: frozenset[str]
+) -> Callable[..., Any]:
     cast = _cast_floating(cast_to)
+    positional = argument_names(module)[0]
 
     def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if cast_to is not None and uncast:  # the unit's cast leaves these inputs alone
+            args, kwargs = cast_inputs(positional, args, kwargs, cast_to, uncast)
+        else:
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         if not identity or not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
@@ -127,11 +135,13 @@ class Reference:
         ]
         for unit in plan.units:
             policy = unit.policy
-            cast = policy.param_dtype if policy.cast_forward_inputs else None
+            casts = policy.cast_forward_inputs or bool(unit.uncast_inputs)
+            cast = policy.param_dtype if casts else None
             for module in unit.modules:
                 ref = self.module.get_submodule(names[id(module)])
                 ref.register_forward_pre_hook(
-                    _pre_forward(cast, identity=bool(unit.params)), with_kwargs=True
+                    _pre_forward(cast, bool(unit.params), ref, unit.uncast_inputs),
+                    with_kwargs=True,
                 )
                 if policy.output_dtype is not None:
                     ref.register_forward_hook(_post_forward(policy.output_dtype))
