@@ -163,3 +163,32 @@ def test_bad_names_are_refused_with_the_value() -> None:
     with pytest.raises(ValueError, match=r"argument names \(identifiers\), got 'temb\.x'"):
         fp.ParamDtypeMixedPrecisionPolicy(uncast_inputs=("temb.x",))
     assert fp.PrecisionRules(uncast_inputs=["temb", "temb"]).uncast_inputs == ("temb",)
+
+
+def test_the_trace_lists_the_inputs_a_unit_rounds_and_suggests_the_wide_ones() -> None:
+    from fsdp_precision._verify.trace import trace_compute_dtypes
+
+    inputs = (torch.randn(3, 16), torch.tensor([[998.39], [937.0], [1.5]]))
+    for names in ((), ("temb",)):
+        model = Model()
+        plan = fp.compile_param_dtype_maps(model, rules(*names), [*model.blocks, model])
+        trace = trace_compute_dtypes(plan, inputs)
+        assert trace.ok, trace.error
+        seen = {(r.unit, r.argument): r for r in trace.rounded_inputs}
+        # fp32 temb from the kept time embedder into each block; the model's own fp32 inputs
+        # into the root unit (not suggested: the caller chose their dtype)
+        assert set(seen) == {
+            ("blocks.0", "temb"),
+            ("blocks.1", "temb"),
+            ("<root>", "x"),
+            ("<root>", "t"),
+        }
+        temb = seen[("blocks.0", "temb")]
+        assert (temb.producer, temb.dtype, temb.cast_to) == ("time", "float32", "bfloat16")
+        assert temb.suggested and temb.uncast == bool(names)
+        assert (
+            not seen[("<root>", "x")].suggested
+            and seen[("<root>", "x")].producer == "<model input>"
+        )
+        assert trace.suggested_uncast() == (() if names else ("temb",))
+    # hidden states and the bf16 scale are produced in bf16: nothing to round, not listed

@@ -27,9 +27,10 @@ from fsdp_precision._policy.diagnose import (
     kept_modules,
     notes_of,
 )
+from fsdp_precision._verify.inputs import InputWatch, RoundedInput
 from fsdp_precision._verify.reference import Reference
 
-__all__ = ["DtypeTrace", "trace_compute_dtypes"]
+__all__ = ["DtypeTrace", "RoundedInput", "trace_compute_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,20 @@ class DtypeTrace:
         notes: The notes naming the kept parameter, the module and the fix (dtype errors).
         dtype_error: Whether the error was a dtype mismatch (others, such as a meta kernel
             missing, say nothing about the plan).
+        rounded_inputs: The floating inputs the units' input casts round, each unit and
+            argument once, in the order the forward met them (as far as it ran).
     """
 
     ok: bool
     error: str = ""
     notes: tuple[str, ...] = ()
     dtype_error: bool = False
+    rounded_inputs: tuple[RoundedInput, ...] = ()
+
+    def suggested_uncast(self) -> tuple[str, ...]:
+        """Argument names worth ``uncast_inputs``: rounded, computed wider on purpose."""
+        names = (r.argument for r in self.rounded_inputs if r.suggested and not r.uncast)
+        return tuple(dict.fromkeys(n for n in names if n.isidentifier()))
 
 
 def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
@@ -57,6 +66,7 @@ def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
     reference = Reference(plan)
     module = reference.module
     _diagnose(module, plan)
+    watch = InputWatch(module, plan)
     try:
         with torch.random.fork_rng(devices=[]):
             out = call_forward(module, on_model_device(module, inputs))
@@ -74,8 +84,9 @@ def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
             error=f"{type(exc).__name__}: {first}"[:240],
             notes=tuple(notes_of(exc)),
             dtype_error=is_dtype_mismatch(exc),
+            rounded_inputs=watch.seen(),
         )
-    return DtypeTrace(ok=True)
+    return DtypeTrace(ok=True, rounded_inputs=watch.seen())
 
 
 def _diagnose(module: nn.Module, plan: PrecisionPlan) -> None:
