@@ -5,8 +5,12 @@
     torchrun --standalone --nproc_per_node 2 examples/accelerate_wan.py --output-dir run   # CPU
 
 ``WanTransformer3DModel`` declares ``_keep_in_fp32_modules`` (``scale_shift_table``,
-``time_embedder``, the ``norm2`` cross-attention norms, ...): ``model_policy`` keeps them in
-fp32 inside their units, everything else is gathered in bf16, gradients reduced in fp32. A
+``time_embedder``, the ``norm2`` cross-attention norms, ``rope``, ...): ``model_policy`` keeps
+them in fp32 inside their units, everything else is gathered in bf16, gradients reduced in fp32.
+The timestep projection (``condition_embedder.time_proj``) is kept in fp32 too, and its output
+``temb`` reaches every block in fp32 with the rotary tables: ``uncast_inputs`` exempts them from
+the block units' input cast, which would round them to bf16 (timestep 998 becomes 1000) though
+each block upcasts ``temb`` itself, as the unsharded model computes. A
 flow-matching step on random latents: the model predicts the velocity ``noise - latents`` at a
 random time. Every ``--save-every`` steps ``accelerator.save_state`` writes
 ``checkpoints/step_<N>`` (under a temporary name, renamed once every rank has written: accelerate
@@ -16,8 +20,8 @@ newest one (``examples/accelerate_qwen3_moe.py`` is the same loop, tested for a 
 Then ``export_safetensors(model, dir, dtype=torch.bfloat16)``: ``config.json`` and
 ``diffusion_pytorch_model.safetensors``, the bulk in bf16 and the kept tensors in fp32.
 ``from_pretrained(dir, torch_dtype=torch.bfloat16)`` keeps Wan's declared modules in fp32 by
-itself; ``restore_kept`` puts back anything else the plan kept (none here) and the boundary
-casts. The kept tensors reload equal to their trained fp32 values.
+itself; ``restore_kept`` puts back what else the plan kept (the timestep projection) and the
+boundary casts. The kept tensors reload equal to their trained fp32 values.
 
 On GPUs drop ``cpu=True`` and ``accelerate_fsdp2_on_cpu``. CI runs this file.
 """
@@ -38,7 +42,7 @@ from diffusers import WanTransformer3DModel
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from fsdp_precision import PrecisionRules, model_policy
+from fsdp_precision import Glob, PrecisionRules, model_policy
 from fsdp_precision.checkpoint import (
     check_checkpoint,
     export_safetensors,
@@ -102,7 +106,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = tiny_wan()  # fp32 master weights
-    rules = PrecisionRules(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rules = PrecisionRules(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        rules=(Glob("condition_embedder.time_proj.*"),),  # temb computed in fp32 ...
+        uncast_inputs=("temb", "rotary_emb"),  # ... and kept so into every block
+    )
     policy = model_policy(model, rules)  # + Wan's own _keep_in_fp32_modules
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, mixed_precision_policy=policy, auto_wrap_policy="transformer_based_wrap"
@@ -113,6 +122,12 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(
         model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader
     )
+    arrived: set[tuple[str, torch.dtype]] = set()  # what each block unit's forward receives
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda m, a, k: arrived.update({("temb", a[2].dtype), ("rotary", a[3][0].dtype)}),
+            with_kwargs=True,
+        )
 
     checkpoints = root / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
@@ -148,10 +163,12 @@ def main() -> None:
         assert kept and all(
             t.dtype == torch.bfloat16 for n, t in probe.seen.items() if n not in kept
         )
+        assert arrived == {("temb", torch.float32), ("rotary", torch.float32)}, arrived
         accelerator.print(
             f"steps {start + 1}-{args.steps}, loss {loss.item():.4f}; {len(kept)} kept parameters "
-            f"(scale_shift_table, time_embedder, norm2) gathered in fp32, the other "
-            f"{len(probe.seen) - len(kept)} in bf16, on FSDP2"
+            f"(scale_shift_table, time_embedder, time_proj, norm2) gathered in fp32, the other "
+            f"{len(probe.seen) - len(kept)} in bf16, on FSDP2; temb and the rotary tables "
+            "reach every block in fp32"
         )
 
     trained = {n: p.detach().full_tensor() for n, p in model.named_parameters()}  # collective
