@@ -1,25 +1,31 @@
-"""MODEL arguments of the CLI: ``hf:<model_type>``, a Hugging Face directory, ``module:callable``.
+"""MODEL arguments of the CLI: ``hf:<model_type>``, a Hugging Face directory (transformers or
+Diffusers), ``module:callable``.
 
 :func:`load_model` builds the model (on meta for ``plan``, on the CPU for ``verify``), shrunk by
-:func:`fsdp_precision.testing.tiny_config` when asked.
+:func:`fsdp_precision.testing.tiny_config` when asked (Diffusers models:
+:mod:`fsdp_precision._cli.diffusers_models`).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fsdp_precision._cli.diffusers_models import DiffusersConfig, build, diffusers_config
 from fsdp_precision.testing._tiny_config import tiny_config
 
 __all__ = ["is_hf_spec", "load_config", "load_model"]
 
 
 def is_hf_spec(spec: str) -> bool:
-    """Whether ``spec`` names a transformers architecture (``hf:...`` or a config directory)."""
+    """Whether ``spec`` names a Hugging Face architecture (``hf:...``, or a transformers or
+    Diffusers config directory)."""
     return spec.startswith("hf:") or Path(spec).is_dir()
 
 
@@ -34,7 +40,12 @@ def _require_transformers(spec: str) -> None:
 
 
 def load_config(spec: str) -> Any:
-    """The transformers config of ``hf:<model_type>`` or of a local directory's config.json."""
+    """The transformers config of ``hf:<model_type>`` or of a local directory's config.json; a
+    :class:`DiffusersConfig` for a Diffusers model directory (``_class_name`` in config.json)."""
+    if not spec.startswith("hf:"):
+        diffusers = diffusers_config(spec)
+        if diffusers is not None:
+            return diffusers
     _require_transformers(spec)
     from transformers import AutoConfig  # lazy: an optional dependency
 
@@ -69,19 +80,24 @@ def load_model(
     """Build MODEL: ``hf:<model_type>`` | a local Hugging Face directory | ``module:callable``.
 
     Args:
-        spec: ``hf:deepseek_v3``, ``path/to/dir`` (with config.json; no weights are read) or
-            ``package.module:factory`` (any callable returning an ``nn.Module``).
+        spec: ``hf:deepseek_v3``, ``path/to/dir`` (with config.json, transformers' or
+            Diffusers'; no weights are read) or ``package.module:factory`` (any callable
+            returning an ``nn.Module``; the module is looked up from the current directory
+            first, as ``python -m`` does).
         device: Where to build it (the factory is called under ``torch.device(device)``).
             (Default: ``"meta"``: no memory, no initialisation)
-        tiny: Shrink a transformers config with :func:`tiny_config` first; ignored for
-            ``module:callable``. (Default: ``False``)
-        dtype: Floating dtype for a transformers model (``from_config(dtype=...)``); ``None``
+        tiny: Shrink a transformers config with :func:`tiny_config` first (a Diffusers one
+            with ``tiny_diffusers_config``); ignored for ``module:callable``. (Default: ``False``)
+        dtype: Floating dtype for a transformers model (``from_config(dtype=...)``) or a
+            Diffusers one (cast after building); ``None``
             keeps the config's. Ignored for ``module:callable``. (Default: ``None``)
 
     Raises ``ValueError`` with a one-line message for anything the user got wrong.
     """
     if is_hf_spec(spec):
         config = load_config(spec)
+        if isinstance(config, DiffusersConfig):
+            return build(config, torch.device(device), tiny=tiny, dtype=dtype)
         if tiny:
             config = tiny_config(config)
         return _from_config(config, torch.device(device), dtype)
@@ -91,6 +107,8 @@ def load_model(
             f"MODEL {spec!r} is not hf:<model_type>, a directory with config.json, or "
             "module:callable"
         )
+    if not {"", os.getcwd()} & set(sys.path):  # the current directory's modules, as python -m
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
+from fsdp_precision._cli.diffusers_models import inputs_source as diffusers_inputs
 from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
@@ -76,7 +77,7 @@ class VerifyOptions:
 def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     torch.manual_seed(opts.seed)
     hf = is_hf_spec(opts.model)
-    # fp32 master weights for transformers models (from_config would take the config's dtype);
+    # fp32 master weights for Hugging Face models (from_config would take the config's dtype);
     # a module:callable model is used as it is built.
     model = load_model(
         opts.model, device=device, tiny=opts.tiny, dtype=torch.float32 if hf else None
@@ -104,8 +105,9 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
 
 def _inputs_source(spec: str, model: nn.Module) -> Any:
     """The callable that makes inputs: ``model.example_inputs(generator)``, a module-level
-    ``example_inputs(model, generator)`` next to a ``module:callable`` factory, or ``None`` for
-    a transformers model that takes ``input_ids``. Raises ``ValueError`` when there is none."""
+    ``example_inputs(model, generator)`` next to a ``module:callable`` factory, the builder of a
+    Diffusers model's class family, or ``None`` for a transformers model that takes
+    ``input_ids``. Raises ``ValueError`` when there is none."""
     method = getattr(model, "example_inputs", None)
     if callable(method):
         return method
@@ -114,6 +116,8 @@ def _inputs_source(spec: str, model: nn.Module) -> Any:
         function = getattr(importlib.import_module(module_name), "example_inputs", None)
         if callable(function):
             return lambda g: function(model, g)
+    if library_of(model) == "diffusers":
+        return diffusers_inputs(spec, model)
     if library_of(model) == "transformers":
         if "input_ids" in inspect.signature(model.forward).parameters:
             return None
