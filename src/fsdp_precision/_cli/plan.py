@@ -15,6 +15,7 @@ from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._plan.usage import default_inputs
 from fsdp_precision._train.config import DistributedConfig
 from fsdp_precision._train.wrap import plan_model_for_training
 from fsdp_precision._verify.trace import DtypeTrace, trace_compute_dtypes
@@ -57,36 +58,63 @@ def _rules(opts: PlanOptions) -> PrecisionRules:
     )
 
 
-def _plan(model: nn.Module, opts: PlanOptions, world_size: int) -> PrecisionPlan:
+def _plan(
+    model: nn.Module, opts: PlanOptions, world_size: int, inputs: Any = None
+) -> PrecisionPlan:
+    """The plan; ``inputs`` feed its traced forwards (the units torch can run, the precision
+    advisor) where the model has no ``dummy_inputs`` of its own (Diffusers, module:callable)."""
     rules = _rules(opts)
+    if default_inputs(model) is not None:
+        inputs = None  # a transformers model's own, as ever
     if opts.units == "size":  # wrap_model_for_training's units, refusals explained
         config = DistributedConfig(
             fsdp_mixed_precision=rules, fsdp_auto_wrap_min_params=opts.min_params
         )
-        return plan_model_for_training(model, config, world_size=world_size)
+        return plan_model_for_training(model, config, world_size=world_size, example_inputs=inputs)
     units = units_of(model, opts.units, min_params=opts.min_params)
-    return compile_param_dtype_maps(model, rules, units, world_size=world_size)
+    return compile_param_dtype_maps(
+        model, rules, units, world_size=world_size, example_inputs=inputs
+    )
 
 
 def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
-    """The first forward in the planned compute dtypes: on a tiny CPU build of a transformers
-    config (the same module classes; MoE forwards cannot run on meta), or not at all."""
+    """The first forward in the planned compute dtypes, on verify's inputs: on a tiny CPU build
+    of a transformers or Diffusers config (the same module classes; MoE forwards cannot run on
+    meta), on the meta build of a ``module:callable`` model (nothing shrinks it; the meta
+    kernels check dtypes), or not at all (no inputs: the reason is said)."""
     if not opts.trace:
         return None, "not traced (--no-trace)"
-    if not is_hf_spec(opts.model):
-        return None, "not traced: only transformers models are traced (verify runs any model)"
     from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
 
+    hf = is_hf_spec(opts.model)
     torch.manual_seed(0)
-    tiny = load_model(opts.model, device="cpu", tiny=True, dtype=torch.float32)
-    inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
-    trace = trace_compute_dtypes(_plan(tiny, opts, world_size=1), inputs)
+    tiny = load_model(
+        opts.model, device="cpu" if hf else "meta", tiny=hf, dtype=torch.float32 if hf else None
+    )
+    try:
+        inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
+    except ValueError as exc:  # no inputs for this model: the plan stands, untraced
+        return None, f"not traced: {exc}"
+    trace = trace_compute_dtypes(_plan(tiny, opts, world_size=1, inputs=inputs), inputs)
+    if not hf:
+        return trace, "traced on the model's meta build, in the planned compute dtypes"
     return trace, "traced on a tiny CPU build of the same config, in the planned compute dtypes"
+
+
+def _inputs(spec: str, model: nn.Module) -> dict[str, Any] | None:
+    """verify's inputs for ``model``, or ``None`` where it makes none (the advice then says it
+    traced nothing, and the first forward why)."""
+    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
+
+    try:
+        return make_inputs(spec, model, torch.Generator().manual_seed(0))
+    except ValueError:
+        return None
 
 
 def run_plan(opts: PlanOptions) -> int:
     model = load_model(opts.model)
-    plan = _plan(model, opts, opts.world_size)
+    plan = _plan(model, opts, opts.world_size, _inputs(opts.model, model))
     memory = memory_per_rank(plan)
     trace, how = _trace(opts)
     if opts.as_json:

@@ -42,8 +42,9 @@ def plan_model_for_training(
 
     Units follow ``config.fsdp_auto_wrap_policy`` and are made only where torch can run them
     (see :func:`auto_wrap_units`; ``example_inputs``, default the model's ``dummy_inputs``, feed
-    the traced forward that finds parameters used outside their unit). ``explain()`` lists the
-    modules refused as units and why. Its collective counts follow the config's knobs:
+    the traced forward that finds parameters used outside their unit, and the precision
+    advisor's). ``explain()`` lists the modules refused as units and why. Its collective
+    counts follow the config's knobs:
     ``fsdp_reshard_after_forward`` (``True`` is torch's ``reshard_after_forward=None``: every
     unit but the root; ``False``: none) and the all-reduce across replicas of ``"hsdp"``.
     """
@@ -72,6 +73,7 @@ def plan_model_for_training(
         reshard_after_forward=None if config.fsdp_reshard_after_forward else False,
         hsdp=hsdp,
         unknown_torch=config.fsdp_unknown_torch,
+        example_inputs=example_inputs,  # the precision advisor's too
     )
     return replace(plan, unit_choice=choice)
 
