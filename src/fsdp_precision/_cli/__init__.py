@@ -41,6 +41,17 @@ def _add_boundary(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_uncast(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--uncast-inputs",
+        default="",
+        metavar="NAMES",
+        help="comma-separated forward argument names the units' input cast leaves in the "
+        "dtype they arrive in, e.g. temb,rotary_emb (a timestep embedding or rotary table "
+        "computed in fp32); plan lists the inputs a unit's cast rounds (default: none)",
+    )
+
+
 def _add_advice(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advice",
@@ -51,6 +62,10 @@ def _add_advice(parser: argparse.ArgumentParser) -> None:
         "also keeps routers, log-space parameters and gains in fp32, off skips it "
         "(default: report)",
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _add_units(parser: argparse.ArgumentParser, default: str | None, text: str) -> None:
@@ -140,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_keep(plan)
     _add_boundary(plan)
     _add_advice(plan)
+    _add_uncast(plan)
     _add_units(plan, "size", "(default: size)")
     plan.add_argument(
         "--no-trace",
@@ -177,6 +193,7 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     _add_keep(verify)
     _add_boundary(verify)
     _add_advice(verify)
+    _add_uncast(verify)
     _add_units(verify, None, "(default: size with --min-params, else transformer_block)")
     verify.add_argument(
         "--full-size",
@@ -243,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     units=args.units,
                     boundary=args.boundary,
                     advice=args.advice,
+                    uncast_inputs=_names(args.uncast_inputs),
                     trace=not args.no_trace,
                     as_json=args.json,
                 )
@@ -266,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     units=args.units,
                     boundary=args.boundary,
                     advice=args.advice,
+                    uncast_inputs=_names(args.uncast_inputs),
                     seed=args.seed,
                     as_json=args.json,
                 )

@@ -41,18 +41,28 @@ def precision_rules(
     *,
     boundary: Boundary = "auto",
     advice: AdviceMode = "report",
+    uncast_inputs: tuple[str, ...] = (),
 ) -> PrecisionRules:
     """The ``--precision`` preset with the ``--keep`` rules (``--boundary``) first, then
-    ``extra``; the advisor as ``--advice`` says."""
+    ``extra``; the advisor as ``--advice`` says; ``--uncast-inputs``."""
     if preset not in PRESETS:
         raise ValueError(f"--precision must be one of {', '.join(PRESETS)}, got {preset!r}")
     if advice not in ADVICE_MODES:
         raise ValueError(f"--advice must be one of {', '.join(ADVICE_MODES)}, got {advice!r}")
     param_dtype, reduce_dtype = PRESETS[preset]
     rules = (*(parse_keep(k, boundary) for k in keep), *extra)
-    return PrecisionRules(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, rules=rules, advice=advice
-    )
+    try:
+        return PrecisionRules(
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            rules=rules,
+            advice=advice,
+            uncast_inputs=uncast_inputs,
+        )
+    except ValueError as exc:
+        if "uncast_inputs" in str(exc):
+            raise ValueError(f"--uncast-inputs: {exc}") from None
+        raise
 
 
 def units_of(

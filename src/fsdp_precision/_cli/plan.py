@@ -33,6 +33,7 @@ class PlanOptions:
     units: str = "size"
     boundary: str = "auto"
     advice: str = "report"
+    uncast_inputs: tuple[str, ...] = ()
     trace: bool = True
     as_json: bool = False
 
@@ -55,6 +56,7 @@ def _rules(opts: PlanOptions) -> PrecisionRules:
         opts.rules,
         boundary=opts.boundary,  # type: ignore[arg-type]
         advice=opts.advice,  # type: ignore[arg-type]
+        uncast_inputs=opts.uncast_inputs,
     )
 
 
@@ -134,7 +136,25 @@ def run_plan(opts: PlanOptions) -> int:
     )
     print(f"units: {opts.units} (--units size | transformer_block | accelerate)")
     print(_first_forward(trace, how))
+    if trace is not None and trace.rounded_inputs:
+        print(_rounded_inputs(trace))
     return 0
+
+
+def _rounded_inputs(trace: DtypeTrace) -> str:
+    """The inputs the units' casts round, and the names worth ``--uncast-inputs``."""
+    lines = ["unit inputs the input cast rounds (first forward):"]
+    for r in trace.rounded_inputs:
+        fate = f"left {r.dtype} (uncast)" if r.uncast else f"-> {r.cast_to}"
+        lines.append(f"  {r.unit}: {r.argument} ({r.dtype} from {r.producer}) {fate}")
+    suggested = trace.suggested_uncast()
+    if suggested:
+        names = ",".join(suggested)
+        lines.append(
+            f"  computed wide on purpose, by the look of it: --uncast-inputs {names} "
+            f"(PrecisionRules(uncast_inputs={suggested!r})) keeps them so into the units"
+        )
+    return "\n".join(lines)
 
 
 def _first_forward(trace: DtypeTrace | None, how: str) -> str:

@@ -51,6 +51,7 @@ class VerifyOptions:
     units: str | None = None
     boundary: str = "auto"
     advice: str = "report"
+    uncast_inputs: tuple[str, ...] = ()
     seed: int = 0
     as_json: bool = False
 
@@ -87,6 +88,7 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
         opts.rules,
         boundary=opts.boundary,  # type: ignore[arg-type]
         advice=opts.advice,  # type: ignore[arg-type]
+        uncast_inputs=opts.uncast_inputs,
     )
     layout = opts.units or ("transformer_block" if opts.min_params is None else "size")
     # The check's own inputs feed the traced forwards: the one that keeps units torch cannot
