@@ -124,6 +124,25 @@ def test_a_class_without_input_builder_plans_untraced(
     ), how
 
 
+def test_a_unets_nested_blocks_are_planned_innermost_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A UNet declares its up blocks and the resnet blocks inside them (_no_split_modules): the
+    inner units come first, as fully_shard needs (verify's default units refused it at apply:
+    "unit up_blocks.0.resnets.0 is planned after unit up_blocks.0, which contains it")."""
+    from fsdp_precision._cli.diffusers_models import DiffusersConfig, build
+
+    config = DiffusersConfig(
+        "unet", "UNet2DConditionModel", {"_class_name": "UNet2DConditionModel"}
+    )
+    build(config, torch.device("cpu"), tiny=True, dtype=None).save_pretrained(tmp_path)
+    data = plan_json(capsys, str(tmp_path), "--units", "transformer_block", "--no-trace")
+    names = [u["name"] for u in data["units"]]
+    assert names.index("up_blocks.0.resnets.1") < names.index("up_blocks.0"), names
+    for i, name in enumerate(names):  # no unit after one that contains it
+        assert not any(name.startswith(f"{outer}.") for outer in names[:i]), (name, names)
+
+
 def _config(path: Path, **data: Any) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(data))

@@ -130,14 +130,32 @@ def resolve_block_classes(model: nn.Module, given: Collection[str] = ()) -> set[
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """Every module whose class a ``_no_split_modules`` of the model declares, then the root; the
-    root alone for a model that declares none. Declared names that resolve to no class are
-    named in a warning; none resolving is a ``ValueError`` (see ``resolve_block_classes``)."""
+    """Every module whose class a ``_no_split_modules`` of the model declares, innermost first
+    (a UNet declares its up blocks and the resnet blocks inside them), then the root; the root
+    alone for a model that declares none. Declared names that resolve to no class are named in
+    a warning; none resolving is a ``ValueError`` (see ``resolve_block_classes``)."""
     if not block_class_names(model):
         return [model]
     names = resolve_block_classes(model)
-    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    blocks = [m for m in _innermost_first(model) if m is not model and type(m).__name__ in names]
     return [*blocks, model]
+
+
+def _innermost_first(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` with every module after the modules inside it (siblings in order)."""
+    seen: set[int] = set()
+    out: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            walk(child)
+        out.append(module)
+
+    walk(model)
+    return out
 
 
 def choose_units(
