@@ -127,15 +127,83 @@ def load_model(
     return model
 
 
-def _from_config(config: Any, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    # lazy: an optional dependency
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+#: Where the model class of a transformers model type is looked up, in order: its causal LM,
+#: else its seq2seq LM, else its image-text-to-text (vision-to-sequence: the name of the table in
+#: transformers 4.x) or multimodal LM, else its base model.
+_HF_TABLES = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
 
+
+def model_classes(config: Any) -> list[type]:
+    """The transformers classes that can be built from ``config``, in :data:`_HF_TABLES`'s
+    order: looked up by ``config.model_type`` (a config class shared by several model types,
+    or registered under another type, is still found), then by the config's class through the
+    auto classes (models registered with ``AutoModel*.register``)."""
+    import transformers  # lazy: an optional dependency
+    from transformers.models.auto import modeling_auto
+
+    found: list[type] = []
+    model_type = getattr(config, "model_type", None)
+    for table in _HF_TABLES:
+        names = getattr(modeling_auto, table, {}).get(model_type)
+        for name in names if isinstance(names, (list, tuple)) else (names,):
+            cls = getattr(transformers, name, None) if isinstance(name, str) else None
+            if isinstance(cls, type) and cls not in found:
+                found.append(cls)
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+        mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
+        try:
+            cls = mapping[type(config)] if mapping is not None else None
+        except (KeyError, ValueError):
+            continue
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _config_for(cls: type, config: Any) -> Any:
+    """The config ``cls`` is built from: ``config``, or its text config for a text-only class
+    of a multimodal type (Emu3's causal LM), as transformers' auto classes do."""
+    text_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text_class is not None and getattr(cls, "config_class", None) is text_class:
+        return config.get_text_config()
+    return config
+
+
+def _from_config(config: Any, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """The first class of :func:`model_classes` that builds; a causal LM whose config is not
+    marked as a decoder is retried as one (Reformer's LM head refuses ``is_decoder=False``). When
+    none builds, the first class's (last) error is raised."""
+    import copy
+
+    classes = model_classes(config)
+    if not classes:
+        raise ValueError(f"no transformers model class for {type(config).__name__}")
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    first: Exception | None = None
     with device:
-        for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel):
-            try:
-                return auto.from_config(config, **kwargs)  # type: ignore[no-any-return,no-untyped-call]
-            except ValueError:
-                continue
-    raise ValueError(f"no transformers model class for {type(config).__name__}")
+        for cls in classes:
+            own = _config_for(cls, config)
+            configs = [own]
+            if cls.__name__.endswith(("ForCausalLM", "LMHeadModel", "WithLMHead")) and (
+                getattr(own, "is_decoder", None) is False
+                and not getattr(own, "is_encoder_decoder", False)
+            ):
+                decoder = copy.deepcopy(own)
+                decoder.is_decoder = True
+                configs.append(decoder)
+            error: Exception | None = None
+            for candidate in configs:
+                try:
+                    return cls._from_config(candidate, **kwargs)  # type: ignore[attr-defined,no-any-return]
+                except Exception as exc:  # noqa: BLE001 - the next class may build
+                    error = exc
+            first = first or error
+    assert first is not None
+    raise first

@@ -9,6 +9,20 @@ import dataclasses
 import inspect
 from typing import Any
 
+from fsdp_precision.testing._tiny_constraints import (
+    apply_derived,
+    code_defaults,
+    depth_parts,
+    hidden_widths,
+    positive_int,
+    reindex_layers,
+    remap_feature_layers,
+    repeat_patterns,
+    rescale_mrope,
+    select_layers,
+    shrink_named,
+)
+
 __all__ = ["TINY_SIZES", "tiny_config"]
 
 #: Size attribute -> tiny value. Each is set only where the config has it as a positive integer,
@@ -18,6 +32,7 @@ TINY_SIZES: dict[str, int] = {
     "hidden_size": 32,
     "d_model": 32,
     "n_embd": 32,
+    "embed_dim": 32,
     "intermediate_size": 64,
     "d_ff": 64,
     "ffn_dim": 64,
@@ -34,9 +49,12 @@ TINY_SIZES: dict[str, int] = {
     "encoder_layers": 2,
     "decoder_layers": 2,
     "n_layer": 2,
+    "depth": 2,
+    "depths": 1,  # per stage (Florence-2's DaViT, VibeVoice's tokenizer encoders)
     # attention
     "num_attention_heads": 4,
     "num_heads": 4,
+    "mamba_n_heads": 4,
     "n_head": 4,
     "encoder_attention_heads": 4,
     "decoder_attention_heads": 4,
@@ -64,7 +82,6 @@ TINY_SIZES: dict[str, int] = {
     "topk_group": 1,
     "first_k_dense_replace": 1,
     "num_dense_layers": 1,
-    # vocabulary
     # linear attention (Qwen3-Next, ...)
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
@@ -72,9 +89,20 @@ TINY_SIZES: dict[str, int] = {
     "linear_value_head_dim": 8,
     # vocabulary
     "vocab_size": 96,
+    "decoder_vocab_size": 96,
+    "vocab_size_per_layer_input": 96,  # Gemma 3n / 4 per-layer embeddings
+    # layers that reuse another layer's key/value cache (Gemma 3n / 4): none at a tiny depth,
+    # which keeps no layer to share from
+    "num_kv_shared_layers": 0,
+    # recurrent and convolutional widths (RecurrentGemma, VibeVoice)
+    "lru_width": 32,
+    "num_filters": 4,
 }
 
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_HEADS = ("num_attention_heads", "num_heads", "n_head")
+#: Keyword arguments of transformers' base config class, not fields of the model's class.
+_BASE_KEYS = {"per_layer_config"}
 _DEPTH = ("num_hidden_layers", "num_layers", "n_layer")
 _TOKEN_IDS = (
     "pad_token_id",
@@ -87,23 +115,23 @@ _TOKEN_IDS = (
 )
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def tiny_config(config: Any) -> Any:
     """A copy of a transformers ``config`` shrunk to a CPU-testable size (well under 2M params).
 
     Every size attribute in :data:`TINY_SIZES` that the config has is lowered to its tiny value;
     key/value heads stay equal to the query heads where they were (MLA, plain multi-head) and
-    become 2 (or 1, for multi-query) otherwise; per-layer lists (``layer_types``, ...) are
-    truncated to the new depth, layer-index lists filtered; special token ids outside the tiny
-    vocabulary are folded into it; ``use_cache`` is off. The config is rebuilt through its class
-    (``from_dict``), so derived attributes (DeepSeek's ``head_dim``) and validation follow.
-    Nested text/vision sub-configs are shrunk the same way. The input is not modified.
+    become 2 (or 1, for multi-query) otherwise. The layers kept are the first of each kind
+    (``layer_types``, per-layer overrides: a hybrid model keeps an attention layer), and every
+    per-layer list, layer-index list and ``per_layer_config`` follows them. Special token ids
+    outside the tiny vocabulary are folded into it; ``use_cache`` is off. Relations the
+    architectures validate are kept (:mod:`~fsdp_precision.testing._tiny_constraints`: derived
+    head counts, rotary sections, widths one config takes from another). The config is rebuilt
+    through its class (``from_dict``), so derived attributes (DeepSeek's ``head_dim``) and
+    validation follow. Nested configs (``text_config``, T5Gemma's ``encoder``, ...) are shrunk
+    the same way. The input is not modified.
     """
     data = copy.deepcopy(config.to_dict())
-    _shrink(data, config)
+    _shrink(data, config, hidden_widths(data))
     return type(config).from_dict(data)
 
 
@@ -119,50 +147,75 @@ def _constructor_keys(cls: type) -> set[str] | None:
     return set(params)
 
 
-def _shrink(data: dict[str, Any], config: Any) -> None:
-    # Attributes the class derives from others (DeepSeek's head_dim = qk_rope_head_dim) are
-    # dropped, so that rebuilding derives them from the shrunk values instead of keeping the
-    # full-size ones; attribute_map targets and private keys stay.
-    keys = _constructor_keys(type(config))
+def _rederive(data: dict[str, Any], config: Any) -> None:
+    """Attributes the class derives from others (DeepSeek's head_dim = qk_rope_head_dim) are
+    dropped, and fields that default to ``"auto"`` (Mamba2's ``time_step_rank``, Bamba's
+    ``mamba_d_head``) reset, so that rebuilding derives them from the shrunk values instead of
+    keeping the full-size ones; attribute_map targets and private keys stay."""
+    cls = type(config)
+    keys = _constructor_keys(cls)
     if keys is not None:
-        kept = keys | set((getattr(config, "attribute_map", None) or {}).values())
-        derived = set(type(config)().to_dict()) - kept
+        kept = keys | set((getattr(config, "attribute_map", None) or {}).values()) | _BASE_KEYS
+        derived = set(cls().to_dict()) - kept
         for key in derived:
             if not key.startswith("_") and key != "model_type":
                 data.pop(key, None)
-    old_depth = next((data[k] for k in _DEPTH if _positive_int(data.get(k))), None)
-    old_heads = next(
-        (data[k] for k in ("num_attention_heads", "num_heads", "n_head") if k in data), None
-    )
+    if dataclasses.is_dataclass(cls):
+        for f in dataclasses.fields(cls):
+            if f.default == "auto" and f.name in data:
+                data[f.name] = "auto"
+
+
+def _shrink_sizes(data: dict[str, Any], aliases: dict[str, str], widths: set[int]) -> None:
+    """:data:`TINY_SIZES` (through ``attribute_map`` ``aliases`` too), widths taken from
+    another config, and key/value heads, in one config dict or one layer's overrides."""
+    old_heads = next((data[k] for k in _HEADS if k in data), None)
     for key, tiny in TINY_SIZES.items():
-        if _positive_int(data.get(key)):
+        if positive_int(data.get(key)):
             data[key] = min(data[key], tiny)
     # attribute_map aliases (n_embd -> hidden_size, ...) live on the class, not in to_dict().
-    for alias, target in (getattr(config, "attribute_map", None) or {}).items():
-        if alias in TINY_SIZES and _positive_int(data.get(target)):
+    for alias, target in aliases.items():
+        if alias in TINY_SIZES and positive_int(data.get(target)):
             data[target] = min(data[target], TINY_SIZES[alias])
-    heads: Any = next(
-        (data[k] for k in ("num_attention_heads", "num_heads", "n_head") if k in data), None
-    )
+    shrink_named(data, TINY_SIZES, widths)
+    heads: Any = next((data[k] for k in _HEADS if k in data), None)
     for key in _KV_HEADS:
         kv = data.get(key)
-        if _positive_int(kv) and _positive_int(heads):
+        if positive_int(kv) and positive_int(heads):
             if kv == old_heads:
                 data[key] = heads
             else:
                 data[key] = 1 if kv == 1 else min(2, heads)
-    new_depth = next((data[k] for k in _DEPTH if _positive_int(data.get(k))), None)
-    if old_depth and new_depth and new_depth != old_depth:
-        for key, value in list(data.items()):
-            if isinstance(value, list) and len(value) == old_depth:
-                data[key] = value[:new_depth]
-        for key in ("mlp_only_layers", "moe_layers"):
-            value = data.get(key)
-            if isinstance(value, list) and all(isinstance(i, int) for i in value):
-                data[key] = [i for i in value if i < new_depth]
+
+
+def _shrink(data: dict[str, Any], config: Any, widths: set[int]) -> None:
+    code_defaults(data)
+    old = copy.deepcopy(data)  # relations are rescaled from the full-size values
+    _rederive(data, config)
+    aliases = dict(getattr(config, "attribute_map", None) or {})
+    depth_key = next((k for k in _DEPTH if positive_int(data.get(k))), None)
+    old_depth = data[depth_key] if depth_key else None
+    parts = depth_parts(data)
+    _shrink_sizes(data, aliases, widths)
+    if depth_key and old_depth:
+        if parts is not None:  # the parts say which layers are which: the first ones
+            kept = list(range(min(parts, old_depth)))
+        else:
+            kept = select_layers(data, old_depth, data[depth_key])
+        for key in _DEPTH:
+            if old.get(key) == old_depth:
+                data[key] = len(kept)
+        if len(kept) != old_depth:
+            reindex_layers(data, kept, old_depth)
+        repeat_patterns(data, len(kept))
+    for overrides in (data.get("per_layer_config") or {}).values():
+        if isinstance(overrides, dict):
+            _shrink_sizes(overrides, aliases, widths)
+    apply_derived(data, old)
+    rescale_mrope(data, old)
     vocab: Any = data.get("vocab_size")
-    if _positive_int(vocab):
-        for key in _TOKEN_IDS:
+    if positive_int(vocab):
+        for key in [k for k in data if k in _TOKEN_IDS or str(k).endswith("_token_id")]:
             value = data.get(key)
             if isinstance(value, int) and value >= vocab:
                 data[key] = value % vocab
@@ -173,18 +226,24 @@ def _shrink(data: dict[str, Any], config: Any) -> None:
         # inputs are the labels shifted right behind it.
         data["decoder_start_token_id"] = data.get("pad_token_id") or 0
     for key in ("rope_parameters", "rope_scaling"):  # YaRN: keep factor = max / original
-        rope, old_max = data.get(key), config.to_dict().get("max_position_embeddings")
-        if isinstance(rope, dict) and _positive_int(rope.get("original_max_position_embeddings")):
+        rope, old_max = data.get(key), old.get("max_position_embeddings")
+        if isinstance(rope, dict) and positive_int(rope.get("original_max_position_embeddings")):
             new_max = data.get("max_position_embeddings")
-            if _positive_int(old_max) and _positive_int(new_max):
+            if positive_int(old_max) and positive_int(new_max):
                 scaled = rope["original_max_position_embeddings"] * new_max // old_max
                 rope["original_max_position_embeddings"] = max(1, scaled)
     if "use_cache" in data:
         data["use_cache"] = False
-    for key, value in data.items():  # composite models: text_config, vision_config, ...
-        sub = getattr(config, key, None)
-        if isinstance(value, dict) and hasattr(sub, "to_dict") and key.endswith("_config"):
-            _shrink(value, sub)
+    for key, value in data.items():  # nested configs: text_config, vision_config, encoder, ...
+        # vars(): a heterogeneous config refuses to read per-layer attributes as globals
+        sub = vars(config).get(key)
+        if isinstance(value, dict) and hasattr(sub, "to_dict"):
+            _shrink(value, sub, widths)
+    vision = data.get("vision_config")
+    if isinstance(vision, dict):
+        depth = next((vision[k] for k in (*_DEPTH, "depth") if positive_int(vision.get(k))), None)
+        if depth:
+            remap_feature_layers(data, depth)
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,240 @@
+"""Does ``fsdp-precision plan hf:<model_type>`` work for every transformers architecture?
+
+For every model type of the installed transformers with a causal-LM, seq2seq or
+image-text-to-text class, run ``plan hf:<model_type> --world-size 8 --json`` in this process
+and report:
+
+- **plans**: ``yes``, or why not: transformers itself cannot build the default config (or the
+  model from it, on the meta device), an optional dependency is not installed, or the library
+  failed (``library: ...``: a bug to fix);
+- **traced**: whether the first forward and backward in the planned compute dtypes ran on a
+  tiny CPU build of the same config (``no: ...`` says where it stopped, or why there was none);
+- **advice**: whether the precision advisor's forward (the full-size model on the meta device)
+  reached its end (``no: ...`` says where it stopped).
+
+    python scripts/screen_hf_plan.py                  # every such model type, Markdown
+    python scripts/screen_hf_plan.py mamba2 gemma4    # some
+    python scripts/screen_hf_plan.py --json
+    python scripts/screen_hf_plan.py --no-trace       # plans only: meta builds, no tiny trace
+
+Exit status 1 when the library fails on a type (a ``library:`` reason). The table is in
+docs/model-families.md; ``tests/hf/test_plan_screen.py`` checks a record of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+#: The auto-model tables that make a type part of the screen.
+TABLES = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+)
+YES = "yes"
+
+
+@dataclass
+class Row:
+    """One model type's outcome.
+
+    Attributes:
+        name: The transformers model type.
+        model: The class ``plan`` built (empty when it built none).
+        plans: ``"yes"`` or why not (``"library: ..."`` when the library failed).
+        traced: ``"yes"``, ``"no: why"``, or empty when it did not plan.
+        advice: ``"yes"`` (reached the end of the forward), ``"no: why"``, or empty.
+        seconds: Wall time of the type's plan.
+    """
+
+    name: str
+    model: str = ""
+    plans: str = ""
+    traced: str = ""
+    advice: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.plans.startswith("library:")
+
+
+def model_types() -> list[str]:
+    """Every model type in :data:`TABLES`, sorted."""
+    from transformers.models.auto import modeling_auto
+
+    found: set[str] = set()
+    for table in TABLES:
+        found |= set(getattr(modeling_auto, table, {}))
+    return sorted(found)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:200]
+
+
+def _missing_dependency(exc: BaseException) -> str | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, ImportError) or ("requires the" in text and "library" in text):
+            return text.strip().splitlines()[0][:160] if text.strip() else type(seen).__name__
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _outside_library(model_type: str) -> str | None:
+    """Why transformers itself cannot build ``model_type``'s default config or model on meta
+    (``None`` when it can: a failure is then the library's)."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        dependency = _missing_dependency(exc)
+        if dependency:
+            return f"optional dependency not installed: {dependency}"
+        return f"transformers cannot build the default config: {_first_line(exc)}"
+    import transformers
+
+    error: BaseException | None = None
+    for table in (*TABLES, "MODEL_MAPPING_NAMES"):
+        names = getattr(modeling_auto, table, {}).get(model_type)
+        for name in names if isinstance(names, (list, tuple)) else (names,):
+            cls = getattr(transformers, name, None) if name else None
+            if cls is None:
+                continue
+            try:
+                with torch.device("meta"):
+                    cls._from_config(config)
+                return None
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                error = error or exc
+    if error is None:
+        return None
+    dependency = _missing_dependency(error)
+    if dependency:
+        return f"optional dependency not installed: {dependency}"
+    return f"transformers cannot build the default config on meta: {_first_line(error)}"
+
+
+def _traced(first: dict[str, Any]) -> str:
+    if first.get("ok"):
+        return YES
+    return f"no: {first.get('error') or first.get('how', '')}"[:240]
+
+
+def _advice(advice: dict[str, Any] | None) -> str:
+    if advice is None:
+        return "no: advice off"
+    traced = str(advice.get("traced", ""))
+    if not advice.get("covered"):
+        return f"no: reached no parameter ({traced})"[:240]
+    if "stopped early" in traced:
+        return f"no: {traced.partition('stopped early: ')[2]}"[:240]
+    return YES
+
+
+def screen(model_type: str, *, trace: bool = True) -> Row:
+    """``plan hf:<model_type> --world-size 8 --json`` in this process."""
+    from fsdp_precision._cli.plan import PlanOptions, run_plan
+
+    row = Row(model_type)
+    out = io.StringIO()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    try:
+        with contextlib.redirect_stdout(out):
+            run_plan(PlanOptions(model=f"hf:{model_type}", world_size=8, trace=trace, as_json=True))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row.plans = _outside_library(model_type) or f"library: {_first_line(exc)}"
+        row.seconds = round(time.perf_counter() - start, 2)
+        return row
+    row.seconds = round(time.perf_counter() - start, 2)
+    data = json.loads(out.getvalue())
+    row.model = str(data.get("model", ""))
+    row.plans = YES
+    row.traced = _traced(data.get("first_forward", {})) if trace else ""
+    row.advice = _advice(data.get("advice"))
+    return row
+
+
+def run(names: list[str], *, trace: bool = True, progress: bool = False) -> list[Row]:
+    """Every model type named, in this process, quietly."""
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    rows = []
+    for i, name in enumerate(names):
+        with contextlib.redirect_stderr(io.StringIO()):
+            rows.append(screen(name, trace=trace))
+        if progress:
+            r = rows[-1]
+            print(f"[{i + 1}/{len(names)}] {name}: {r.plans[:80]} ({r.seconds}s)", file=sys.stderr)
+    return rows
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(rows: list[Row], *, trace: bool = True) -> str:
+    """The summary line and the table."""
+    planned = [r for r in rows if r.plans == YES]
+    library = [r for r in rows if r.plans.startswith("library:")]
+    summary = (
+        f"{len(planned)} of {len(rows)} model types plan; {len(library)} fail in the library, "
+        f"{len(rows) - len(planned) - len(library)} cannot be built by transformers as installed"
+    )
+    if trace:
+        summary += f"; traced: {sum(r.traced == YES for r in planned)}"
+    summary += f"; advice reached the end: {sum(r.advice == YES for r in planned)}"
+    lines = [
+        summary,
+        "",
+        "| model type | class | plans | traced | advice reached the end |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.model} | {_cell(r.plans)} | {_cell(r.traced)} | {_cell(r.advice)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="model types (default: every such type)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    parser.add_argument("--no-trace", action="store_true", help="no tiny CPU trace")
+    parser.add_argument("--progress", action="store_true", help="one line per type on stderr")
+    args = parser.parse_args(argv)
+    trace = not args.no_trace
+    rows = run(args.names or model_types(), trace=trace, progress=args.progress)
+    if args.json:
+        print(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=1))
+    else:
+        import transformers
+
+        print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
+        print(markdown(rows, trace=trace))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
