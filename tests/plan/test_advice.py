@@ -308,3 +308,28 @@ def test_the_trace_changes_nothing_of_the_model() -> None:
     fp.advise(model, torch.randn(3, W))
     assert seen == [True] and model.training and model[1].training
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_timestep_feature_rules_cast_their_outputs_back_and_router_rules_do_not() -> None:
+    """A kept timestep-feature Linear returns activations for the bf16 layers after it; a
+    router's fp32 logits go to softmax and top-k in fp32 (the diffusion screen's HunyuanVideo,
+    CogVideoX, QwenImage and UNet failed their first forward with both at ``"auto"``)."""
+    from fsdp_precision._plan.advice import Advice, PrecisionAdvice, advised_rules
+
+    advice = PrecisionAdvice(
+        (
+            Advice("router", "*.mlp.gate.weight", ("l.0.mlp.gate.weight",), "r"),
+            Advice("sinusoidal", "*.linear_1.*", ("t.linear_1.weight",), "s"),
+        ),
+        traced="test",
+        covered=True,
+    )
+    assert [(g.pattern, g.boundary) for g in advice.rules()] == [
+        ("*.mlp.gate.weight", "auto"),
+        ("*.linear_1.*", "inputs_outputs"),
+    ]
+    assert [(r.kind, r.boundary) for r in advised_rules(advice)] == [
+        ("router", "auto"),
+        ("sinusoidal", "inputs_outputs"),
+    ]
+    assert advice.advice[1].rule == 'Glob("*.linear_1.*", boundary="inputs_outputs")'

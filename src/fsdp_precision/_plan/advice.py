@@ -32,6 +32,7 @@ from fsdp_precision._plan.usage import (
     on_model_device,
     quiet_forward,
 )
+from fsdp_precision._policy.casts import Boundary
 
 __all__ = [
     "APPLIED_KINDS",
@@ -44,6 +45,11 @@ __all__ = [
 #: What ``advice="apply"`` keeps. Norms are reported only: they are many, cheap to keep, and
 #: most models train well without (keep them with ``ModuleClass`` or a ``Glob`` of your own).
 APPLIED_KINDS: tuple[Kind, ...] = ("router", "log_space", "gain", "sinusoidal")
+
+#: The boundary cast each kind's rule asks for where it is not ``"auto"``: a timestep-feature
+#: layer returns activations for the bf16 layers after it (the auto rule would keep a kept
+#: matrix's output in fp32, as a router's logits are).
+KIND_BOUNDARY: dict[str, Boundary] = {"sinusoidal": "inputs_outputs"}
 
 _WHY: Mapping[Kind, str] = {
     "router": "its scores pick the experts: bf16 rounding flips close top-k decisions",
@@ -76,6 +82,9 @@ class Advice:
     @property
     def rule(self) -> str:
         """The rule, ready to paste: ``Glob("*.mlp.gate.weight")``."""
+        boundary = KIND_BOUNDARY.get(self.kind)
+        if boundary is not None:
+            return f'Glob("{self.pattern}", boundary="{boundary}")'
         return f'Glob("{self.pattern}")'
 
 
@@ -99,7 +108,11 @@ class PrecisionAdvice:
     def rules(self, kinds: Iterable[Kind] = APPLIED_KINDS) -> tuple[Glob, ...]:
         """The rules that keep ``kinds`` in fp32, for ``PrecisionRules(rules=...)``."""
         wanted = set(kinds)
-        return tuple(Glob(a.pattern) for a in self.advice if a.kind in wanted)
+        return tuple(
+            Glob(a.pattern, boundary=KIND_BOUNDARY.get(a.kind, "auto"))
+            for a in self.advice
+            if a.kind in wanted
+        )
 
     def params(self, kinds: Iterable[Kind] = KINDS) -> set[str]:
         """Every parameter found, of ``kinds``."""
@@ -219,7 +232,11 @@ def advised_rules(advice: PrecisionAdvice) -> tuple[AdvisedRule, ...]:
             "fsdp_precision.advise(model, example_inputs).rules() into "
             'PrecisionRules(rules=...), or use advice="report" / "off"'
         )
-    return tuple(AdvisedRule(a.kind, a.pattern) for a in advice.advice if a.kind in APPLIED_KINDS)
+    return tuple(
+        AdvisedRule(a.kind, a.pattern, boundary=KIND_BOUNDARY.get(a.kind, "auto"))
+        for a in advice.advice
+        if a.kind in APPLIED_KINDS
+    )
 
 
 # ---------------------------------------------------------------------------------- wording
