@@ -75,6 +75,32 @@ def test_plan_a_diffusers_directory(wan_dir: Path, capsys: pytest.CaptureFixture
     assert data["advice"]["covered"] and data["advice"]["advice"], data["advice"]
 
 
+def test_plan_names_the_inputs_the_block_units_round(
+    wan_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the timestep projection kept, Wan's blocks receive fp32 ``temb`` and rotary tables
+    that their units' input cast rounds: the plan names each with its producer and suggests the
+    names, and with ``--uncast-inputs`` lists them left fp32."""
+    args = [
+        str(wan_dir),
+        "--units",
+        "transformer_block",
+        "--keep",
+        "condition_embedder.time_proj.*",
+    ]
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0: temb (float32 from condition_embedder.time_proj) -> bfloat16" in out
+    assert "blocks.1: rotary_emb (float32 from rope) -> bfloat16" in out
+    # the caller's own fp32 timestep, into the root unit, is suggested too
+    assert "--uncast-inputs timestep,temb,rotary_emb" in out
+    data = plan_json(capsys, *args, "--uncast-inputs", "timestep,temb,rotary_emb")
+    rounded = data["first_forward"]["rounded_inputs"]
+    blocks = [r for r in rounded if r["unit"].startswith("blocks.")]
+    assert len(blocks) == 4 and all(r["uncast"] and r["dtype"] == "float32" for r in blocks)
+    assert {u["name"] for u in data["units"] if u["uncast_inputs"]} >= {"blocks.0", "blocks.1"}
+
+
 def test_plan_applies_the_advice_traced_on_a_diffusers_model(
     wan_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

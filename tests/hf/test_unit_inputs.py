@@ -50,7 +50,8 @@ def rotary_dtypes(model: nn.Module) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
     for block in model.blocks:  # type: ignore[attr-defined]
         block.attn1.register_forward_pre_hook(
-            lambda m, a, k: seen.append(a[3][0].dtype), with_kwargs=True  # positional
+            lambda m, a, k: seen.append(a[3][0].dtype),
+            with_kwargs=True,  # positional
         )
     return seen
 
@@ -73,6 +74,7 @@ def test_the_trace_suggests_temb_and_the_rotary_tables() -> None:
     _, plan = planned(())
     trace = trace_compute_dtypes(plan, inputs())
     assert trace.ok, trace.error
+    # (an integer timestep here: the root unit's cast leaves it alone)
     assert set(trace.suggested_uncast()) == {"temb", "rotary_emb"}, trace.rounded_inputs
     temb = next(r for r in trace.rounded_inputs if r.argument == "temb")
     assert temb.producer.startswith("condition_embedder") and temb.dtype == "float32"

@@ -83,6 +83,7 @@ def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
             fqn: {"inputs": dtype_name(c.inputs), "outputs_cast_back": c.outputs}
             for fqn, c in u.module_casts.items()
         },
+        "uncast_inputs": sorted(u.uncast_inputs),
         "all_gather_bytes_by_dtype": u.gather_bytes(plan.world_size),
         "collectives_per_step": {
             "all_gathers": counts.all_gathers,
@@ -273,6 +274,8 @@ def _unit_lines(plan: PrecisionPlan, unit: PlannedUnit, max_params: int) -> list
         lines.append(f"    boundary cast at {fqn}: {cast}")
     if len(unit.module_casts) > max_params:
         lines.append(f"    ... and {len(unit.module_casts) - max_params} more boundary casts")
+    if unit.uncast_inputs:
+        lines.append(f"    inputs left uncast: {', '.join(sorted(unit.uncast_inputs))}")
     return lines
 
 

@@ -43,8 +43,9 @@ class RoundedInput:
         dtype: The dtype it arrived in.
         cast_to: The unit's ``param_dtype``.
         uncast: Left in ``dtype`` by the unit's ``uncast_inputs``.
-        suggested: Computed wider on purpose, by the look of it (a kept producer, a timestep
-            or rotary name): a candidate for ``uncast_inputs``.
+        suggested: Computed (or given) wider on purpose, by the look of it (a kept producer, a
+            timestep or rotary name, the model's own ``timestep`` input): a candidate for
+            ``uncast_inputs``.
     """
 
     unit: str
@@ -148,6 +149,6 @@ class InputWatch:
                 dtype=dtype_name(leaf.dtype),
                 cast_to=dtype_name(cast_to),
                 uncast=argument in uncast,
-                suggested=wide and producer != _MODEL_INPUT,
+                suggested=wide,  # a model input counts by its name: the caller's timestep
             )
             return
