@@ -40,11 +40,11 @@ MOE = (
     "deepseek_v3 qwen3_moe qwen2_moe mixtral olmoe gpt_oss ernie4_5_moe glm4_moe deepseek_v32"
 ).split()
 #: Other transformers model types, shrunk by ``fsdp_precision.testing.tiny_config``.
-TINY = ("jamba", "nemotron_h", "rwkv", "t5")
+TINY = ("jamba", "nemotron_h", "rwkv", "t5", "mamba2")
 #: Dense decoders: the controls.
 DENSE = ("llama", "qwen3")
 #: Built here, with their inputs.
-CUSTOM = ("mamba2", "clip", "wan")
+CUSTOM = ("clip", "wan")
 ARCHITECTURES = (*MOE, *TINY, *CUSTOM, *DENSE)
 
 #: Declared parameters the trace cannot see a reason for: (architecture, glob) -> why.
@@ -95,16 +95,6 @@ def _moe(model_type: str) -> nn.Module:
     return screen_hf_keep.build(model_type)
 
 
-def _mamba2() -> tuple[nn.Module, Any]:
-    from transformers import Mamba2Config, Mamba2ForCausalLM
-
-    config = Mamba2Config(
-        vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, num_heads=8,
-        head_dim=8, expand=2, n_groups=1, chunk_size=4, conv_kernel=4,
-    )  # fmt: skip
-    return Mamba2ForCausalLM(config), None
-
-
 def _clip() -> tuple[nn.Module, Any]:
     from transformers import CLIPConfig, CLIPModel
 
@@ -140,7 +130,6 @@ def _wan() -> tuple[nn.Module, Any]:
 
 
 _CUSTOM: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
-    "mamba2": _mamba2,
     "clip": _clip,
     "wan": _wan,
 }

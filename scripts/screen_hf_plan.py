@@ -7,8 +7,10 @@ and report:
 - **plans**: ``yes``, or why not: transformers itself cannot build the default config (or the
   model from it, on the meta device), an optional dependency is not installed, or the library
   failed (``library: ...``: a bug to fix);
-- **traced**: whether the first forward and backward in the planned compute dtypes ran on a
-  tiny CPU build of the same config (``no: ...`` says where it stopped, or why there was none);
+- **traced**: whether the first forward and backward in the planned compute dtypes reached a
+  verdict on a tiny CPU build of the same config: ``yes`` (they ran), ``yes: the planned dtypes
+  fail: ...`` (the trace's finding, which ``plan`` prints as a warning), or ``no: ...`` (where it
+  stopped for another reason, or why there was none);
 - **advice**: whether the precision advisor's forward (the full-size model on the meta device)
   reached its end (``no: ...`` says where it stopped).
 
@@ -16,6 +18,8 @@ and report:
     python scripts/screen_hf_plan.py mamba2 gemma4    # some
     python scripts/screen_hf_plan.py --json
     python scripts/screen_hf_plan.py --no-trace       # plans only: meta builds, no tiny trace
+    python scripts/screen_hf_plan.py --plans-only     # no trace, no advice: the fastest check
+    python scripts/screen_hf_plan.py --record tests/hf/plan_screen.json   # the test's record
 
 Exit status 1 when the library fails on a type (a ``library:`` reason). The table is in
 docs/model-families.md; ``tests/hf/test_plan_screen.py`` checks a record of it.
@@ -53,7 +57,8 @@ class Row:
         name: The transformers model type.
         model: The class ``plan`` built (empty when it built none).
         plans: ``"yes"`` or why not (``"library: ..."`` when the library failed).
-        traced: ``"yes"``, ``"no: why"``, or empty when it did not plan.
+        traced: ``"yes"``, ``"yes: the planned dtypes fail: ..."``, ``"no: why"``, or empty when
+            it did not plan.
         advice: ``"yes"`` (reached the end of the forward), ``"no: why"``, or empty.
         seconds: Wall time of the type's plan.
     """
@@ -132,8 +137,12 @@ def _outside_library(model_type: str) -> str | None:
 
 
 def _traced(first: dict[str, Any]) -> str:
+    """``yes`` where the trace reached a verdict: the forward and backward ran, or they failed
+    on a dtype in the planned compute dtypes (the trace's finding, printed as a warning)."""
     if first.get("ok"):
         return YES
+    if first.get("dtype_error"):
+        return f"yes: the planned dtypes fail: {first.get('error', '')}"[:240]
     return f"no: {first.get('error') or first.get('how', '')}"[:240]
 
 
@@ -148,8 +157,9 @@ def _advice(advice: dict[str, Any] | None) -> str:
     return YES
 
 
-def screen(model_type: str, *, trace: bool = True) -> Row:
-    """``plan hf:<model_type> --world-size 8 --json`` in this process."""
+def screen(model_type: str, *, trace: bool = True, advice: bool = True) -> Row:
+    """``plan hf:<model_type> --world-size 8 --json`` in this process (``--no-trace`` without
+    ``trace``, ``--advice off`` without ``advice``)."""
     from fsdp_precision._cli.plan import PlanOptions, run_plan
 
     row = Row(model_type)
@@ -168,11 +178,13 @@ def screen(model_type: str, *, trace: bool = True) -> Row:
     row.model = str(data.get("model", ""))
     row.plans = YES
     row.traced = _traced(data.get("first_forward", {})) if trace else ""
-    row.advice = _advice(data.get("advice"))
+    row.advice = _advice(data.get("advice")) if advice else ""
     return row
 
 
-def run(names: list[str], *, trace: bool = True, progress: bool = False) -> list[Row]:
+def run(
+    names: list[str], *, trace: bool = True, advice: bool = True, progress: bool = False
+) -> list[Row]:
     """Every model type named, in this process, quietly."""
     import transformers
 
@@ -182,18 +194,33 @@ def run(names: list[str], *, trace: bool = True, progress: bool = False) -> list
     rows = []
     for i, name in enumerate(names):
         with contextlib.redirect_stderr(io.StringIO()):
-            rows.append(screen(name, trace=trace))
+            rows.append(screen(name, trace=trace, advice=advice))
         if progress:
             r = rows[-1]
             print(f"[{i + 1}/{len(names)}] {name}: {r.plans[:80]} ({r.seconds}s)", file=sys.stderr)
     return rows
 
 
+def write_record(rows: list[Row], path: str) -> None:
+    """The screen as ``tests/hf/test_plan_screen.py`` reads it: per type what it says, with
+    the transformers release it ran on."""
+    import transformers
+
+    record = {
+        "transformers": transformers.__version__,
+        "command": "python scripts/screen_hf_plan.py --record tests/hf/plan_screen.json",
+        "types": {r.name: {"plans": r.plans, "traced": r.traced, "advice": r.advice} for r in rows},
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(rows: list[Row], *, trace: bool = True) -> str:
+def markdown(rows: list[Row], *, trace: bool = True, advice: bool = True) -> str:
     """The summary line and the table."""
     planned = [r for r in rows if r.plans == YES]
     library = [r for r in rows if r.plans.startswith("library:")]
@@ -202,8 +229,11 @@ def markdown(rows: list[Row], *, trace: bool = True) -> str:
         f"{len(rows) - len(planned) - len(library)} cannot be built by transformers as installed"
     )
     if trace:
-        summary += f"; traced: {sum(r.traced == YES for r in planned)}"
-    summary += f"; advice reached the end: {sum(r.advice == YES for r in planned)}"
+        traced = [r for r in planned if r.traced.startswith(YES)]
+        failing = sum(r.traced != YES for r in traced)
+        summary += f"; traced: {len(traced)} (the planned dtypes fail in {failing})"
+    if advice:
+        summary += f"; advice reached the end: {sum(r.advice == YES for r in planned)}"
     lines = [
         summary,
         "",
@@ -222,17 +252,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="model types (default: every such type)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     parser.add_argument("--no-trace", action="store_true", help="no tiny CPU trace")
+    parser.add_argument("--plans-only", action="store_true", help="no trace and no advice")
     parser.add_argument("--progress", action="store_true", help="one line per type on stderr")
+    parser.add_argument("--record", metavar="PATH", help="also write the record tests read")
     args = parser.parse_args(argv)
-    trace = not args.no_trace
-    rows = run(args.names or model_types(), trace=trace, progress=args.progress)
+    trace = not (args.no_trace or args.plans_only)
+    advice = not args.plans_only
+    rows = run(args.names or model_types(), trace=trace, advice=advice, progress=args.progress)
+    if args.record:
+        write_record(rows, args.record)
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=1))
     else:
         import transformers
 
         print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
-        print(markdown(rows, trace=trace))
+        print(markdown(rows, trace=trace, advice=advice))
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -20,7 +20,14 @@ import torch.nn as nn
 from fsdp_precision._cli.diffusers_models import DiffusersConfig, build, diffusers_config
 from fsdp_precision.testing._tiny_config import tiny_config
 
-__all__ = ["is_hf_spec", "load_config", "load_model"]
+__all__ = [
+    "TINY_MAX_PARAMS",
+    "is_hf_spec",
+    "load_config",
+    "load_model",
+    "load_tiny_model",
+    "one_line",
+]
 
 
 def is_hf_spec(spec: str) -> bool:
@@ -125,6 +132,35 @@ def load_model(
     if not isinstance(model, nn.Module):
         raise ValueError(f"MODEL {spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+#: A tiny build with more parameters than this is refused before it is built on a real device:
+#: its config has sizes ``tiny_config`` does not know by name.
+TINY_MAX_PARAMS = 100_000_000
+
+
+def load_tiny_model(
+    spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> nn.Module:
+    """:func:`load_model` with ``tiny=True``, counted on the meta device first: ``ValueError``
+    when it is not tiny (over :data:`TINY_MAX_PARAMS` parameters) rather than filling memory."""
+    meta = load_model(spec, device="meta", tiny=True, dtype=dtype)
+    count = sum(p.numel() for p in meta.parameters())
+    del meta
+    if count > TINY_MAX_PARAMS:
+        raise ValueError(
+            f"MODEL {spec!r}: its tiny config still has {count:,} parameters (over "
+            f"{TINY_MAX_PARAMS:,}): sizes fsdp_precision.testing.tiny_config does not shrink"
+        )
+    return load_model(spec, device=device, tiny=True, dtype=dtype)
+
+
+def one_line(exc: BaseException) -> str:
+    """``"Type: message"`` on one line; a message that opens with a heading ending in ``:``
+    (transformers' config validation) keeps its next line, which says what is wrong."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else "".join(lines[:1])
+    return f"{type(exc).__name__}: {text}"[:240]
 
 
 #: Where the model class of a transformers model type is looked up, in order: its causal LM,

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_precision._cli.models import is_hf_spec, load_model
+from fsdp_precision._cli.hf_inputs import adds_to
+from fsdp_precision._cli.models import is_hf_spec, load_model, load_tiny_model, one_line
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
@@ -64,10 +65,13 @@ def _plan(
     model: nn.Module, opts: PlanOptions, world_size: int, inputs: Any = None
 ) -> PrecisionPlan:
     """The plan; ``inputs`` feed its traced forwards (the units torch can run, the precision
-    advisor) where the model has no ``dummy_inputs`` of its own (Diffusers, module:callable)."""
+    advisor) where the model has no ``dummy_inputs`` of its own (Diffusers, module:callable),
+    or where they hold arguments its own lack (pixel values, an encoder-decoder's decoder
+    inputs)."""
     rules = _rules(opts)
-    if default_inputs(model) is not None:
-        inputs = None  # a transformers model's own, as ever
+    own = default_inputs(model)
+    if own is not None and not adds_to(inputs, own[0]):
+        inputs = None  # a transformers model's own, unless they lack pixel values, ...
     if opts.units == "size":  # wrap_model_for_training's units, refusals explained
         config = DistributedConfig(
             fsdp_mixed_precision=rules, fsdp_auto_wrap_min_params=opts.min_params
@@ -89,15 +93,25 @@ def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
     from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
 
     hf = is_hf_spec(opts.model)
+    copy = "a tiny CPU build of the same config" if hf else "the model's meta build"
     torch.manual_seed(0)
-    tiny = load_model(
-        opts.model, device="cpu" if hf else "meta", tiny=hf, dtype=torch.float32 if hf else None
-    )
+    try:  # the plan above stands where the traced copy cannot be built: untraced, and why
+        tiny = (
+            load_tiny_model(opts.model, device="cpu", dtype=torch.float32)
+            if hf
+            else load_model(opts.model)
+        )
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not traced: {copy} cannot be built ({one_line(exc)})"
     try:
         inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
-    except ValueError as exc:  # no inputs for this model: the plan stands, untraced
+    except ValueError as exc:  # no inputs for this model
         return None, f"not traced: {exc}"
-    trace = trace_compute_dtypes(_plan(tiny, opts, world_size=1, inputs=inputs), inputs)
+    try:
+        plan = _plan(tiny, opts, world_size=1, inputs=inputs)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not traced: {copy} cannot be planned ({one_line(exc)})"
+    trace = trace_compute_dtypes(plan, inputs)
     if not hf:
         return trace, "traced on the model's meta build, in the planned compute dtypes"
     return trace, "traced on a tiny CPU build of the same config, in the planned compute dtypes"

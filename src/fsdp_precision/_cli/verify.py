@@ -20,6 +20,7 @@ import torch.nn as nn
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
 from fsdp_precision._cli.diffusers_models import inputs_source as diffusers_inputs
+from fsdp_precision._cli.hf_inputs import transformers_inputs
 from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
@@ -32,9 +33,6 @@ from fsdp_precision._verify.report import ParityReport
 
 __all__ = ["VerifyOptions", "format_report", "make_inputs", "run_verify"]
 
-#: Inputs verify gives a transformers model: ``input_ids`` of this shape (decoder labels of
-#: ``(batch, 6)`` for encoder-decoder models).
-BATCH, SEQ = 2, 8
 _MAX_PROBLEMS = 12  # listed under the table; --json has them all
 
 
@@ -147,17 +145,7 @@ def make_inputs(spec: str, model: nn.Module, generator: torch.Generator) -> dict
                 "forward keyword arguments"
             )
         return inputs
-    config: Any = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(text.vocab_size)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
-    out: dict[str, Any] = {"input_ids": ids}
-    if "labels" in inspect.signature(model.forward).parameters:
-        encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-        out["labels"] = (
-            torch.randint(0, vocab, (BATCH, 6), generator=generator) if encoder_decoder else ids
-        )
-    return out
+    return transformers_inputs(spec, model, generator)
 
 
 # --------------------------------------------------------------------------- running

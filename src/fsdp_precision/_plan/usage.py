@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from fsdp_precision._base.watch import ROOT, ParamWatch, RunningModules, attribute_read
-from fsdp_precision._hf.tracing import traceable_experts
+from fsdp_precision._hf.tracing import traceable_cache, traceable_experts, traceable_meta
 
 __all__ = [
     "ParamUsage",
@@ -153,7 +153,13 @@ def quiet_forward(model: nn.Module, *, eval_mode: bool = True) -> Iterator[None]
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), traceable_experts(model):
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            traceable_experts(model),
+            traceable_cache(model),
+            traceable_meta(),
+        ):
             if eval_mode:
                 model.eval()
             for module in model.modules():

@@ -97,6 +97,7 @@ TINY_SIZES: dict[str, int] = {
     # recurrent and convolutional widths (RecurrentGemma, VibeVoice)
     "lru_width": 32,
     "num_filters": 4,
+    "base_channels": 32,  # Janus's VQ image tokenizer (group norms of 32)
 }
 
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
@@ -189,7 +190,7 @@ def _shrink_sizes(data: dict[str, Any], aliases: dict[str, str], widths: set[int
 
 
 def _shrink(data: dict[str, Any], config: Any, widths: set[int]) -> None:
-    code_defaults(data)
+    code_defaults(data, config)
     old = copy.deepcopy(data)  # relations are rescaled from the full-size values
     _rederive(data, config)
     aliases = dict(getattr(config, "attribute_map", None) or {})

@@ -11,7 +11,11 @@ has them; the architectures that motivated it are named beside it.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import operator
+import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +43,8 @@ __all__ = [
 #: tower's ``out_hidden_size`` (Granite Docling), ``text_hidden_size`` (Inkling 2), an audio
 #: encoder's ``out_hidden_size`` (Muse Spark), a head's ``audio_hidden_size`` (NeMo SpeechLM),
 #: ``codebook_dim`` (WavTokenizer), ``hidden_size_global`` (BLT), ``embedding_dim`` (xLSTM),
-#: ``adapter_in_dim`` and ``adapter_input_size`` (Dots 3). Other width-named attributes become
-#: :data:`OTHER_WIDTH` at most: equal widths stay equal either way.
+#: ``adapter_in_dim`` and ``adapter_input_size`` (Dots 3); and any ``*hidden_size*``. Other
+#: width-named attributes become :data:`OTHER_WIDTH` at most: equal widths stay equal either way.
 HIDDEN = ("hidden_size", "d_model", "n_embd", "embed_dim")
 WIDTH_SUFFIXES = (
     "hidden_size", "hidden_dim", "embed_dim", "embedding_dim", "codebook_dim", "projection_dim",
@@ -58,18 +62,21 @@ VOCAB = 96
 
 def shrink_named(data: dict[str, Any], explicit: dict[str, int], widths: set[int]) -> None:
     """The sizes ``explicit`` does not name, by their names: widths (equal ones stay equal),
-    head sizes, vocabularies; lists of sizes ``explicit`` names shrink entry by entry
-    (Florence-2's per-stage ``embed_dim`` and ``num_heads``, VibeVoice's ``depths``)."""
+    head sizes, vocabularies; lists of sizes ``explicit`` names, and lists of widths, shrink
+    entry by entry (Florence-2's per-stage ``embed_dim`` and ``num_heads``, VibeVoice's
+    ``depths``, Muse Spark's audio ``hidden_sizes``)."""
     for key, value in data.items():
         if not isinstance(key, str):
             continue
-        if isinstance(value, list) and key in explicit and value:
-            if all(positive_int(v) for v in value):
+        if isinstance(value, list) and value and all(positive_int(v) for v in value):
+            if key in explicit:
                 data[key] = [min(v, explicit[key]) for v in value]
+            elif key.endswith(("hidden_sizes", "embed_dims", "hidden_dims")):
+                data[key] = [min(v, explicit["hidden_size"]) for v in value]
             continue
         if key in explicit or not positive_int(value):
             continue
-        if key.endswith(WIDTH_SUFFIXES):
+        if key.endswith(WIDTH_SUFFIXES) or "hidden_size" in key:
             data[key] = explicit["hidden_size"] if value in widths else min(value, OTHER_WIDTH)
         elif key.endswith("head_dim"):
             data[key] = min(value, HEAD_DIM)
@@ -169,7 +176,7 @@ def depth_parts(data: dict[str, Any]) -> int | None:
         if all(isinstance(data.get(k), int) for k in parts):
             for k in parts:
                 data[k] = min(data[k], 2)
-            return sum(data[k] for k in parts)
+            return int(sum(data[k] for k in parts))
     return None
 
 
@@ -239,34 +246,44 @@ DERIVED: tuple[Derived, ...] = (
     ),
     Derived("d_head", ("d_model", "n_head"), _divide, "XLNet: d_head == d_model // n_head"),
 )
+#: Attributes that stay equal where the full-size config has them equal: (target, source).
+#: LongCat-Flash's ``head_dim`` is its rotary part's.
+EQUAL = (("head_dim", "qk_rope_head_dim"),)
 
 
 #: Lists of sizes that sum to a size: (list, total) (Reformer's axial position embeddings).
 SUMS = (("axial_pos_embds_dim", "hidden_size"),)
-#: Values the model's code assumes where its config has none, set before they are rescaled:
-#: model type -> {attribute: value} (ERNIE-4.5-VL's rotary sections).
-CODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ernie4_5_vl_moe_text": {"rope_parameters.mrope_section": [22, 22, 20]},
-}
+#: How a model's code defaults its rotary sections where the config has none:
+#: ``config.rope_parameters.get("mrope_section", [16, 24, 24])`` (Qwen2-VL, GLM-4V, ERNIE-4.5-VL).
+_MROPE_DEFAULT = re.compile(r'get\("mrope_section", (\[[0-9, ]+\])\)')
 
 
-def code_defaults(data: dict[str, Any]) -> None:
-    """:data:`CODE_DEFAULTS` of ``data``'s model type, where the config leaves them unset."""
-    for path, value in CODE_DEFAULTS.get(str(data.get("model_type")), {}).items():
-        *parents, last = path.split(".")
-        node: Any = data
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node.get(last) is None:
-            node[last] = value
+def code_defaults(data: dict[str, Any], config: Any) -> None:
+    """The rotary sections the model's code assumes where its config has none (the checkpoints'
+    configs name them; the default config does not), read from the modeling module next to the
+    config's class, so that they are rescaled with the head."""
+    rope = data.get("rope_parameters")
+    if not isinstance(rope, dict) or "mrope_section" in rope:
+        return
+    module = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        source = inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError, TypeError):
+        return
+    found = set(_MROPE_DEFAULT.findall(source))
+    if len(found) == 1:
+        rope["mrope_section"] = ast.literal_eval(found.pop())
 
 
 def apply_derived(data: dict[str, Any], old: dict[str, Any]) -> None:
-    """:data:`DERIVED` and :data:`SUMS`, then the rotary dimensions that keep their share of
-    the head (GPT-J, CodeGen: ``rotary_dim``)."""
+    """:data:`DERIVED`, :data:`EQUAL` and :data:`SUMS`, then the rotary dimensions that keep
+    their share of the head (GPT-J, CodeGen: ``rotary_dim``)."""
     for rule in DERIVED:
         if rule.target in data and all(positive_int(data.get(k)) for k in rule.needs):
             data[rule.target] = rule.formula(*(data[k] for k in rule.needs))
+    for target, source in EQUAL:
+        if positive_int(old.get(target)) and old.get(target) == old.get(source):
+            data[target] = data[source]
     for parts, total in SUMS:
         value = data.get(parts)
         if isinstance(value, list) and all(positive_int(v) for v in value):
@@ -274,7 +291,7 @@ def apply_derived(data: dict[str, Any], old: dict[str, Any]) -> None:
                 data[parts] = _split(value, data[total])
     old_head, new_head = _head(old), _head(data)
     rotary = data.get("rotary_dim")
-    if positive_int(rotary) and old_head and new_head:
+    if isinstance(rotary, int) and positive_int(rotary) and old_head and new_head:
         data["rotary_dim"] = max(2, rotary * new_head // old_head // 2 * 2)
 
 
@@ -317,6 +334,8 @@ def _rotary_half(
     candidates = [(old.get(k), data.get(k)) for k in ("qk_rope_head_dim", "head_dim")]
     candidates.append((_head(old), _head(data)))
     for before, after in candidates:
+        if not (isinstance(before, int) and isinstance(after, int)):
+            continue
         if not (positive_int(before) and positive_int(after)):
             continue
         for share in (factor, 1.0):
@@ -327,13 +346,22 @@ def _rotary_half(
 
 def _split(sections: list[int], target: int) -> list[int]:
     """``sections`` scaled to sum to ``target`` (largest remainders; each at least 1 where the
-    target allows)."""
+    target allows; sections that were equal stay equal where the target allows: ERNIE-4.5-VL
+    stacks its two spatial sections)."""
     total = sum(sections)
     floor = 1 if target >= len(sections) else 0
     spare = target - floor * len(sections)
     shares = [s * spare / total for s in sections]
     out = [floor + int(share) for share in shares]
-    order = sorted(range(len(sections)), key=lambda i: shares[i] - int(shares[i]), reverse=True)
-    for i in order[: target - sum(out)]:
-        out[i] += 1
-    return out
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(sections):
+        groups.setdefault(s, []).append(i)
+    order = sorted(groups.values(), key=lambda g: shares[g[0]] - int(shares[g[0]]), reverse=True)
+    left = target - sum(out)
+    bumped: set[int] = set()
+    for group in order:  # whole groups first, then one by one
+        if len(group) <= left:
+            bumped.update(group)
+            left -= len(group)
+    bumped.update([i for group in order for i in group if i not in bumped][:left])
+    return [n + (i in bumped) for i, n in enumerate(out)]

@@ -1,0 +1,164 @@
+"""The inputs ``verify`` and ``plan`` give a transformers model: token ids, labels, and the
+other arguments its forward needs, built from its config.
+
+Token ids are drawn from the text vocabulary without the config's special tokens (an image
+token drawn at random would ask for image features that are not there). Encoder-decoder models
+get their decoder inputs as the labels shifted right behind the decoder start token (FSMT would
+otherwise take them from ``input_ids``, of another length). Other arguments are built by name
+(:data:`BUILDERS`) where the forward requires them, or where a model's code requires what its
+signature leaves optional (:data:`NEEDS`): per-architecture differences are data.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "BATCH",
+    "BUILDERS",
+    "DECODER_SEQ",
+    "NEEDS",
+    "SEQ",
+    "adds_to",
+    "transformers_inputs",
+]
+
+#: ``input_ids`` of shape ``(BATCH, SEQ)``; decoder labels of ``(BATCH, DECODER_SEQ)``.
+BATCH, SEQ, DECODER_SEQ = 2, 8, 6
+
+
+def _config_with(config: Any, attribute: str) -> Any:
+    """``config``'s text config, else the first config of its tree, that has ``attribute``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for candidate in (text, config, *_sub_configs(config)):
+        if isinstance(getattr(candidate, attribute, None), int):
+            return candidate
+    return None
+
+
+def _sub_configs(config: Any) -> list[Any]:
+    found = []
+    for key, value in vars(config).items():  # vars(): per-layer attributes are not read
+        if hasattr(value, "to_dict") and not key.startswith("_"):
+            found += [value, *_sub_configs(value)]
+    return found
+
+
+def _special_ids(config: Any) -> set[int]:
+    """Every token id the config tree names (``image_token_id``, ``pad_token_id``, ...)."""
+    found: set[int] = set()
+    for c in (config, *_sub_configs(config)):
+        for key, value in vars(c).items():
+            if not key.endswith(("token_id", "token_index", "token_ids")):
+                continue
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, int) and not isinstance(v, bool):
+                    found.add(v)
+    return found
+
+
+def _ids(config: Any, vocab: int, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    allowed = torch.tensor([i for i in range(vocab) if i not in _special_ids(config)] or [0])
+    return allowed[torch.randint(0, len(allowed), shape, generator=g)]
+
+
+def _pixel_values(config: Any, g: torch.Generator) -> torch.Tensor:
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    channels = getattr(vision, "num_channels", 3)
+    return torch.randn(BATCH, channels, height, width, generator=g)
+
+
+def _qformer_ids(config: Any, g: torch.Generator) -> torch.Tensor:
+    qformer = getattr(config, "qformer_config", config)
+    return torch.randint(0, int(qformer.vocab_size), (BATCH, SEQ), generator=g)
+
+
+def _bbox(config: Any, g: torch.Generator) -> torch.Tensor:
+    """Normalised boxes ``(x0, y0, x1, y1)`` in 0..1 with ``x0 <= x1``, ``y0 <= y1`` (UDOP)."""
+    corners = torch.rand(BATCH, SEQ, 2, 2, generator=g).sort(dim=2).values  # (min, max) x (x, y)
+    return corners.reshape(BATCH, SEQ, 4)
+
+
+def _lang_ids(config: Any, g: torch.Generator) -> torch.Tensor:
+    return torch.zeros(BATCH, dtype=torch.long)  # X-MOD: the first language's adapters
+
+
+def _token_types(config: Any, g: torch.Generator) -> torch.Tensor:
+    return torch.zeros(BATCH, SEQ, dtype=torch.long)  # Molmo 2: every token is text
+
+
+#: Forward arguments built from the config, by name.
+BUILDERS: dict[str, Callable[[Any, torch.Generator], torch.Tensor]] = {
+    "pixel_values": _pixel_values,
+    "qformer_input_ids": _qformer_ids,
+    "bbox": _bbox,
+    "lang_ids": _lang_ids,
+    "mm_token_type_ids": _token_types,
+}
+#: Arguments a model's code requires though its forward's signature leaves them optional:
+#: model type -> names.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "blip": ("pixel_values",),  # "You have to specify pixel_values"
+    "kosmos-2": ("pixel_values",),  # "You have to specify either `pixel_values` or ..."
+    "git": ("pixel_values",),  # its loss skips the image tokens: without them, no logits
+    "udop": ("bbox",),  # "Bbox is required for horizontal relative position bias"
+    "xmod": ("lang_ids",),  # "Input language unknown"
+    "molmo2": ("mm_token_type_ids",),  # "required as a model input when training"
+    "pp_formulanet": ("pixel_values",),  # "exactly one of encoder_outputs or pixel_values"
+}
+
+
+def transformers_inputs(spec: str, model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+    """Forward keyword arguments for a transformers ``model`` (the same on every rank for one
+    generator seed). ``ValueError`` where its config names no vocabulary."""
+    config: Any = model.config
+    text = _config_with(config, "vocab_size")
+    if text is None:
+        raise ValueError(
+            f"MODEL {spec!r}: verify cannot make inputs for {type(model).__name__}: its config "
+            "names no vocab_size; wrap it in a module:callable factory whose model has "
+            "example_inputs(generator) -> dict"
+        )
+    vocab = int(text.vocab_size)
+    params = inspect.signature(model.forward).parameters
+    ids = _ids(config, vocab, (BATCH, SEQ), generator)
+    out: dict[str, Any] = {"input_ids": ids}
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if "labels" in params:
+        labels = _ids(config, vocab, (BATCH, DECODER_SEQ), generator) if encoder_decoder else ids
+        out["labels"] = labels
+        if encoder_decoder and "decoder_input_ids" in params:
+            start = _decoder_start(config)
+            out["decoder_input_ids"] = torch.cat(
+                [torch.full((BATCH, 1), start, dtype=labels.dtype), labels[:, :-1]], dim=1
+            )
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+    for name in [*required, *NEEDS.get(str(getattr(config, "model_type", "")), ())]:
+        if name in BUILDERS and name not in out:
+            out[name] = BUILDERS[name](config, generator)
+    return out
+
+
+def _decoder_start(config: Any) -> int:
+    for c in (config, getattr(config, "decoder", None)):
+        for key in ("decoder_start_token_id", "pad_token_id", "bos_token_id"):
+            value = getattr(c, key, None) if c is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return 0
+
+
+def adds_to(inputs: Any, dummy: Any) -> bool:
+    """Whether ``inputs`` hold an argument (other than ``labels``) that a model's own
+    ``dummy_inputs`` lack: pixel values, boxes, or the decoder inputs of an encoder-decoder
+    model whose dummy inputs feed only its encoder."""
+    if not isinstance(inputs, dict) or not isinstance(dummy, dict):
+        return False
+    return bool(set(inputs) - set(dummy) - {"labels"})
