@@ -5,8 +5,10 @@ image-text-to-text class, run ``plan hf:<model_type> --world-size 8 --json`` in 
 and report:
 
 - **plans**: ``yes``, or why not: transformers itself cannot build the default config (or the
-  model from it, on the meta device), an optional dependency is not installed, or the library
-  failed (``library: ...``: a bug to fix);
+  model from it, on the meta device), an optional dependency is not installed, the library
+  refused the layout with its named error (``refused: ...``: ``--plans-only`` plans one unit per
+  transformer block, which a tied parameter across blocks cannot take), or the library failed
+  (``library: ...``: a bug to fix);
 - **traced**: whether the first forward and backward in the planned compute dtypes reached a
   verdict on a tiny CPU build of the same config: ``yes`` (they ran), ``yes: the planned dtypes
   fail: ...`` (the trace's finding, which ``plan`` prints as a warning), or ``no: ...`` (where it
@@ -18,8 +20,9 @@ and report:
     python scripts/screen_hf_plan.py mamba2 gemma4    # some
     python scripts/screen_hf_plan.py --json
     python scripts/screen_hf_plan.py --no-trace       # plans only: meta builds, no tiny trace
-    python scripts/screen_hf_plan.py --plans-only     # no trace, no advice: the fastest check
-    python scripts/screen_hf_plan.py --record tests/hf/plan_screen.json   # the test's record
+    python scripts/screen_hf_plan.py --plans-only     # no forward at all: the fastest check
+    python scripts/screen_hf_plan.py --record tests/hf/plan_screen.json  # the test's record
+                                                      # (the screen, then --plans-only)
 
 Exit status 1 when the library fails on a type (a ``library:`` reason). The table is in
 docs/model-families.md; ``tests/hf/test_plan_screen.py`` checks a record of it.
@@ -157,9 +160,11 @@ def _advice(advice: dict[str, Any] | None) -> str:
     return YES
 
 
-def screen(model_type: str, *, trace: bool = True, advice: bool = True) -> Row:
+def screen(model_type: str, *, trace: bool = True, advice: bool = True, units: str = "size") -> Row:
     """``plan hf:<model_type> --world-size 8 --json`` in this process (``--no-trace`` without
-    ``trace``, ``--advice off`` without ``advice``)."""
+    ``trace``, ``--advice off`` without ``advice``, ``--units``: ``transformer_block`` plans
+    without a traced forward)."""
+    from fsdp_precision import ParamDtypeMapError
     from fsdp_precision._cli.plan import PlanOptions, run_plan
 
     row = Row(model_type)
@@ -168,9 +173,20 @@ def screen(model_type: str, *, trace: bool = True, advice: bool = True) -> Row:
     torch.manual_seed(0)
     try:
         with contextlib.redirect_stdout(out):
-            run_plan(PlanOptions(model=f"hf:{model_type}", world_size=8, trace=trace, as_json=True))
+            options = PlanOptions(
+                model=f"hf:{model_type}",
+                world_size=8,
+                advice="report" if advice else "off",
+                units=units,
+                trace=trace,
+                as_json=True,
+            )
+            run_plan(options)
     except Exception as exc:  # noqa: BLE001 - reported in the table
-        row.plans = _outside_library(model_type) or f"library: {_first_line(exc)}"
+        if isinstance(exc, ParamDtypeMapError):  # the library refusing a layout, and why
+            row.plans = f"refused: {_first_line(exc)}"
+        else:
+            row.plans = _outside_library(model_type) or f"library: {_first_line(exc)}"
         row.seconds = round(time.perf_counter() - start, 2)
         return row
     row.seconds = round(time.perf_counter() - start, 2)
@@ -183,7 +199,12 @@ def screen(model_type: str, *, trace: bool = True, advice: bool = True) -> Row:
 
 
 def run(
-    names: list[str], *, trace: bool = True, advice: bool = True, progress: bool = False
+    names: list[str],
+    *,
+    trace: bool = True,
+    advice: bool = True,
+    units: str = "size",
+    progress: bool = False,
 ) -> list[Row]:
     """Every model type named, in this process, quietly."""
     import transformers
@@ -194,22 +215,32 @@ def run(
     rows = []
     for i, name in enumerate(names):
         with contextlib.redirect_stderr(io.StringIO()):
-            rows.append(screen(name, trace=trace, advice=advice))
+            rows.append(screen(name, trace=trace, advice=advice, units=units))
         if progress:
             r = rows[-1]
             print(f"[{i + 1}/{len(names)}] {name}: {r.plans[:80]} ({r.seconds}s)", file=sys.stderr)
     return rows
 
 
-def write_record(rows: list[Row], path: str) -> None:
-    """The screen as ``tests/hf/test_plan_screen.py`` reads it: per type what it says, with
-    the transformers release it ran on."""
+def write_record(rows: list[Row], fast: list[Row], path: str) -> None:
+    """The screen as ``tests/hf/test_plan_screen.py`` reads it: per type what it says, and what
+    ``--plans-only`` says, with the transformers release it ran on."""
     import transformers
 
+    quick = {r.name: r.plans for r in fast}
+    types = {
+        r.name: {
+            "plans": r.plans,
+            "traced": r.traced,
+            "advice": r.advice,
+            "plans_only": quick[r.name],
+        }
+        for r in rows
+    }
     record = {
         "transformers": transformers.__version__,
         "command": "python scripts/screen_hf_plan.py --record tests/hf/plan_screen.json",
-        "types": {r.name: {"plans": r.plans, "traced": r.traced, "advice": r.advice} for r in rows},
+        "types": types,
     }
     with open(path, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
@@ -252,15 +283,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="model types (default: every such type)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     parser.add_argument("--no-trace", action="store_true", help="no tiny CPU trace")
-    parser.add_argument("--plans-only", action="store_true", help="no trace and no advice")
+    parser.add_argument(
+        "--plans-only",
+        action="store_true",
+        help="no trace, no advice, transformer-block units: no forward at all, the fastest",
+    )
     parser.add_argument("--progress", action="store_true", help="one line per type on stderr")
     parser.add_argument("--record", metavar="PATH", help="also write the record tests read")
     args = parser.parse_args(argv)
     trace = not (args.no_trace or args.plans_only)
     advice = not args.plans_only
-    rows = run(args.names or model_types(), trace=trace, advice=advice, progress=args.progress)
+    units = "transformer_block" if args.plans_only else "size"
+    names = args.names or model_types()
+    rows = run(names, trace=trace, advice=advice, units=units, progress=args.progress)
     if args.record:
-        write_record(rows, args.record)
+        fast = run(names, trace=False, advice=False, units="transformer_block")
+        write_record(rows, fast, args.record)
     if args.json:
         print(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=1))
     else:

@@ -63,7 +63,9 @@ def _special_ids(config: Any) -> set[int]:
 
 
 def _ids(config: Any, vocab: int, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    allowed = torch.tensor([i for i in range(vocab) if i not in _special_ids(config)] or [0])
+    keep = torch.ones(vocab, dtype=torch.bool)
+    keep[[i for i in _special_ids(config) if 0 <= i < vocab]] = False
+    allowed = keep.nonzero().flatten() if keep.any() else torch.zeros(1, dtype=torch.long)
     return allowed[torch.randint(0, len(allowed), shape, generator=g)]
 
 
@@ -142,7 +144,13 @@ def transformers_inputs(spec: str, model: nn.Module, generator: torch.Generator)
     required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
     for name in [*required, *NEEDS.get(str(getattr(config, "model_type", "")), ())]:
         if name in BUILDERS and name not in out:
-            out[name] = BUILDERS[name](config, generator)
+            try:
+                out[name] = BUILDERS[name](config, generator)
+            except (AttributeError, TypeError, ValueError) as exc:  # a config of another shape
+                raise ValueError(
+                    f"MODEL {spec!r}: verify cannot make {name} for {type(model).__name__} from "
+                    f"its config ({type(exc).__name__}: {exc})"
+                ) from exc
     return out
 
 
