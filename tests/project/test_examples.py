@@ -38,7 +38,7 @@ RUNS = [
         (),
         2,
         ("accelerate", "diffusers"),
-        "(scale_shift_table, time_embedder, norm2) gathered in fp32",
+        "(scale_shift_table, time_embedder, time_proj, norm2) gathered in fp32",
     ),
     (
         "lightning_fabric_qwen3_moe.py",

@@ -8,6 +8,7 @@ Diffusers), ``module:callable``.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import sys
@@ -216,8 +217,6 @@ def _from_config(config: Any, device: torch.device, dtype: torch.dtype | None) -
     """The first class of :func:`model_classes` that builds; a causal LM whose config is not
     marked as a decoder is retried as one (Reformer's LM head refuses ``is_decoder=False``). When
     none builds, the first class's (last) error is raised."""
-    import copy
-
     classes = model_classes(config)
     if not classes:
         raise ValueError(f"no transformers model class for {type(config).__name__}")
