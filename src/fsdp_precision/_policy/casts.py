@@ -28,6 +28,7 @@ __all__ = [
     "Boundary",
     "ModuleCast",
     "cast_for",
+    "cast_to",
     "install_cast",
     "installed_back",
     "installed_cast",
@@ -94,7 +95,9 @@ def cast_for(
     return ModuleCast(dtype, outputs=boundary == "inputs_outputs")
 
 
-def _cast_to(dtype: torch.dtype) -> Any:
+def cast_to(dtype: torch.dtype) -> Any:
+    """FSDP's ``_cast_fp_tensor`` to ``dtype``, for ``tree_map``."""
+
     def cast(x: Any) -> Any:  # FSDP's _cast_fp_tensor
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
@@ -116,7 +119,7 @@ class _Hooks:
         leaves, _ = tree_flatten((args, kwargs))
         floating = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
         self.incoming.append(floating[0].dtype if floating else None)
-        cast = _cast_to(self.cast.inputs)
+        cast = cast_to(self.cast.inputs)
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -124,7 +127,7 @@ class _Hooks:
         target = self.back or incoming
         if not self.cast.outputs or target is None:
             return output
-        return tree_map(_cast_to(target), output)
+        return tree_map(cast_to(target), output)
 
 
 def install_cast(module: nn.Module, cast: ModuleCast, back: torch.dtype | None = None) -> bool:

@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from fsdp_precision._policy.casts import cast_to
+
 __all__ = ["argument_names", "cast_inputs", "check_uncast_inputs", "install_input_cast"]
 
 _ATTR = "_fsdp_precision_input_cast"
@@ -76,15 +78,6 @@ def accepted(module: nn.Module, names: Iterable[str]) -> frozenset[str]:
     return wanted & (keywords | {n for n in positional if n is not None})
 
 
-def _cast(dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:  # FSDP's _cast_fp_tensor
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return cast
-
-
 def cast_inputs(
     positional: tuple[str | None, ...],
     args: tuple[Any, ...],
@@ -93,7 +86,7 @@ def cast_inputs(
     keep: frozenset[str],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """FSDP's input cast to ``dtype``, except the arguments named in ``keep``."""
-    cast = _cast(dtype)
+    cast = cast_to(dtype)
     new_args = tuple(
         a if i < len(positional) and positional[i] in keep else tree_map(cast, a)
         for i, a in enumerate(args)
