@@ -253,3 +253,11 @@ def test_module_callable_in_the_current_directory_plans_traced(tmp_path: Path) -
         in lines
     )
     assert "precision advice (traced a forward on example_inputs):" in lines
+
+
+def test_a_bad_uncast_inputs_name_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(capsys, "plan", "hf:llama", "--no-trace", "--uncast-inputs", "temb.x")
+    assert (
+        "--uncast-inputs: PrecisionRules.uncast_inputs entries are forward argument names" in line
+    )
+    assert "'temb.x'" in line
