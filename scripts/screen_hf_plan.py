@@ -13,8 +13,15 @@ and report:
   verdict on a tiny CPU build of the same config: ``yes`` (they ran), ``yes: the planned dtypes
   fail: ...`` (the trace's finding, which ``plan`` prints as a warning), or ``no: ...`` (where it
   stopped for another reason, or why there was none);
-- **advice**: whether the precision advisor's forward (the full-size model on the meta device)
-  reached its end (``no: ...`` says where it stopped).
+- **advice**: whether the precision advisor's forward reached its end: the full-size model on
+  the meta device, or, where that stops (it reads values: MoE dispatch, ``Tensor.item()``), the
+  tiny CPU build, its findings carried to the full-size names (``no: ...`` says where it
+  stopped).
+
+Where the trace or the advice stops, the model's own forward is run on the tiny CPU build in
+fp32 without any plan: when that fails too, the row says so (``the model's own forward fails
+...``): the default config cannot run a training forward (a token id or a size it leaves
+unset), whatever the precision.
 
     python scripts/screen_hf_plan.py                  # every such model type, Markdown
     python scripts/screen_hf_plan.py mamba2 gemma4    # some
@@ -63,6 +70,7 @@ class Row:
         traced: ``"yes"``, ``"yes: the planned dtypes fail: ..."``, ``"no: why"``, or empty when
             it did not plan.
         advice: ``"yes"`` (reached the end of the forward), ``"no: why"``, or empty.
+        own_forward: Why the model's own forward fails without any plan, where it does.
         seconds: Wall time of the type's plan.
     """
 
@@ -71,6 +79,7 @@ class Row:
     plans: str = ""
     traced: str = ""
     advice: str = ""
+    own_forward: str = ""
     seconds: float = 0.0
 
     @property
@@ -195,7 +204,33 @@ def screen(model_type: str, *, trace: bool = True, advice: bool = True, units: s
     row.plans = YES
     row.traced = _traced(data.get("first_forward", {})) if trace else ""
     row.advice = _advice(data.get("advice")) if advice else ""
+    if row.traced.startswith("no:") or row.advice.startswith("no:"):
+        own = _own_forward(model_type)
+        if own:
+            row.traced = row.traced and (OWN if row.traced.startswith("no:") else row.traced)
+            row.advice = row.advice and (OWN if row.advice.startswith("no:") else row.advice)
+            row.own_forward = own
     return row
+
+
+OWN = "no: the model's own forward fails"
+
+
+def _own_forward(model_type: str) -> str:
+    """Why the model's own forward fails on a tiny fp32 CPU build of its default config, with
+    verify's inputs and no plan at all; ``""`` when it runs."""
+    from fsdp_precision._cli.models import load_tiny_model
+    from fsdp_precision._cli.verify import make_inputs
+
+    spec = f"hf:{model_type}"
+    torch.manual_seed(0)
+    try:
+        model = load_tiny_model(spec, device="cpu", dtype=torch.float32)
+        inputs = make_inputs(spec, model, torch.Generator().manual_seed(0))
+        model(**inputs)
+    except Exception as exc:  # noqa: BLE001 - the reason, for the table
+        return _first_line(exc)
+    return ""
 
 
 def run(
@@ -233,6 +268,7 @@ def write_record(rows: list[Row], fast: list[Row], path: str) -> None:
             "plans": r.plans,
             "traced": r.traced,
             "advice": r.advice,
+            "own_forward": r.own_forward,
             "plans_only": quick[r.name],
         }
         for r in rows
@@ -265,6 +301,12 @@ def markdown(rows: list[Row], *, trace: bool = True, advice: bool = True) -> str
         summary += f"; traced: {len(traced)} (the planned dtypes fail in {failing})"
     if advice:
         summary += f"; advice reached the end: {sum(r.advice == YES for r in planned)}"
+    own = [r for r in planned if r.own_forward]
+    if own:
+        summary += (
+            f"; the model's own forward fails without any plan in {len(own)} (its default "
+            "config cannot run a training forward)"
+        )
     lines = [
         summary,
         "",
@@ -275,6 +317,9 @@ def markdown(rows: list[Row], *, trace: bool = True, advice: bool = True) -> str
         lines.append(
             f"| {r.name} | {r.model} | {_cell(r.plans)} | {_cell(r.traced)} | {_cell(r.advice)} |"
         )
+    if own:
+        lines += ["", "Where the model's own forward fails (a tiny fp32 build, no plan):", ""]
+        lines += [f"- {r.name}: {_cell(r.own_forward)}" for r in own]
     return "\n".join(lines)
 
 

@@ -329,3 +329,57 @@ def test_the_upcast_keeps_a_bf16_model_trainable() -> None:
         kept = name.endswith(("router.weight", "norm.weight"))
         assert param.dtype == (fp32 if kept else bf16)
         assert torch.equal(param.full_tensor().to(bf16), before[name])  # exact
+
+
+class AdaNorm(nn.Module):
+    """LTX-Video's ``AdaLayerNormSingle``: it rounds the timestep features to the activations'
+    dtype itself, before its embedder's first linear."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(8, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        features = torch.cat([t.sin(), t.cos()], dim=-1)
+        return self.linear(F.silu(self.embed(features.to(dtype))))
+
+
+class Timed(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.ada = AdaNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x[:, :4].float() * 100
+        return self.proj(x) * (1 + self.ada(t, x.dtype))
+
+
+def test_kept_modules_inside_a_cast_module_cast_their_inputs_too() -> None:
+    torch.manual_seed(0)
+    m = Timed()
+    kept = rules("ada.*", boundary="inputs_outputs")
+    plan = fp.compile_param_dtype_maps(m, kept, [m])
+    assert plan.module_casts == {
+        "ada": ModuleCast(fp32, outputs=True),  # the outermost casts back
+        "ada.embed.0": ModuleCast(fp32),  # inside it: inputs only
+        "ada.embed.2": ModuleCast(fp32),
+        "ada.linear": ModuleCast(fp32),
+    }
+    fully_shard(m, mp_policy=fp.model_policy(m, kept))
+    out = m(x())
+    assert out.dtype == bf16
+    out.float().square().mean().backward()
+    # Negative control: the outermost cast alone, and the model's own rounding meets fp32.
+    torch.manual_seed(0)
+    bare = Timed()
+    policy = ParamDtypeMixedPrecisionPolicy(
+        param_dtype=bf16,
+        reduce_dtype=fp32,
+        param_dtype_map={n: fp32 for n, _ in bare.named_parameters() if n.startswith("ada.")},
+        module_casts={"ada": ModuleCast(fp32, outputs=True)},
+    )
+    fully_shard(bare, mp_policy=policy)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        bare(x())

@@ -98,3 +98,31 @@ def test_verify_names_the_parameter_the_module_and_the_fix() -> None:
     assert "(Qwen3MoeTopKRouter) holds kept 'mlp.gate.weight' (float32)" in out.stderr
     good = cli("verify", "hf:qwen3_moe", "--keep", "*.mlp.gate.weight")
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+
+
+class Table(nn.Module):
+    """A block that holds a kept table itself and mixes it into its activations without
+    casting back (LTX-Video's transformer block and its ``scale_shift_table``)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(dim) / 10)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x * (1 + self.table))
+
+
+@pytest.mark.usefixtures("world1")
+def test_a_kept_parameter_the_block_mixes_in_itself_is_named() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(Table(), nn.Linear(16, 16))
+    kept = fp.PrecisionRules(rules=(fp.Glob("*table"),), param_dtype=torch.bfloat16)
+    plan = fp.compile_param_dtype_maps(m, kept, [m[0], m])
+    plan.apply()
+    with pytest.raises(RuntimeError) as caught:
+        m(torch.randn(3, 16))
+    (note,) = notes_of(caught.value)
+    assert "the Table holds kept 'table' (float32) itself" in note
+    assert "keep none of them" in note
+    assert "returned" not in note  # no kept module returned anything: none is blamed

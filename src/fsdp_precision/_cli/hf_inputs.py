@@ -69,12 +69,61 @@ def _ids(config: Any, vocab: int, shape: tuple[int, ...], g: torch.Generator) ->
     return allowed[torch.randint(0, len(allowed), shape, generator=g)]
 
 
+#: Model types whose pixel values hold a list of images (or video frames) per sample: one.
+PER_SAMPLE_IMAGES = frozenset({"idefics", "pi0", "instructblipvideo"})
+
+
 def _pixel_values(config: Any, g: torch.Generator) -> torch.Tensor:
     vision = getattr(config, "vision_config", None) or config
     size = getattr(vision, "image_size", 224)
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
     channels = getattr(vision, "num_channels", 3)
-    return torch.randn(BATCH, channels, height, width, generator=g)
+    images = (1,) if getattr(config, "model_type", "") in PER_SAMPLE_IMAGES else ()
+    return torch.randn(BATCH, *images, channels, height, width, generator=g)
+
+
+def _flattened_patches(config: Any, g: torch.Generator) -> torch.Tensor:
+    """Pix2Struct's patches: row and column index, then the flattened pixels, per patch."""
+    vision = config.vision_config
+    patches = 16
+    rows = torch.randint(0, min(int(vision.seq_len), patches), (BATCH, patches, 2), generator=g)
+    pixels = torch.randn(BATCH, patches, int(vision.patch_embed_hidden_size), generator=g)
+    return torch.cat([rows.float(), pixels], dim=-1)
+
+
+def _ones_mask(config: Any, g: torch.Generator) -> torch.Tensor:
+    """IDEFICS's image attention mask: every token sees the sample's one image."""
+    return torch.ones(BATCH, SEQ, 1, dtype=torch.long)
+
+
+def _camera_mask(config: Any, g: torch.Generator) -> torch.Tensor:
+    return torch.ones(BATCH, 1, dtype=torch.bool)  # PI0: one camera, present
+
+
+def _robot_state(config: Any, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(BATCH, int(config.max_state_dim), generator=g)
+
+
+def _actions(config: Any, g: torch.Generator) -> torch.Tensor:
+    """PI0's action chunk: the flow-matching target (its labels)."""
+    shape = (BATCH, int(config.chunk_size), int(config.max_action_dim))
+    return torch.randn(*shape, generator=g)
+
+
+def _audio_features(config: Any, g: torch.Generator) -> torch.Tensor:
+    """Log-mel features ``(batch, mel bins, frames)``."""
+    mels = int(config.audio_config.num_mel_bins)
+    return torch.randn(BATCH, mels, 8 * SEQ, generator=g)
+
+
+def _image_positions(config: Any, g: torch.Generator) -> torch.Tensor:
+    """Kosmos-2: where the image's latent queries replace tokens (after the first token)."""
+    queries = int(config.latent_query_num)
+    if queries > SEQ - 1:
+        raise ValueError(f"{queries} latent queries do not fit in {SEQ} tokens")
+    mask = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    mask[:, 1 : 1 + queries] = True
+    return mask
 
 
 def _qformer_ids(config: Any, g: torch.Generator) -> torch.Tensor:
@@ -99,6 +148,13 @@ def _token_types(config: Any, g: torch.Generator) -> torch.Tensor:
 #: Forward arguments built from the config, by name.
 BUILDERS: dict[str, Callable[[Any, torch.Generator], torch.Tensor]] = {
     "pixel_values": _pixel_values,
+    "flattened_patches": _flattened_patches,
+    "image_attention_mask": _ones_mask,
+    "pixel_attention_mask": _camera_mask,
+    "state": _robot_state,
+    "actions": _actions,
+    "input_features": _audio_features,
+    "image_embeds_position_mask": _image_positions,
     "qformer_input_ids": _qformer_ids,
     "bbox": _bbox,
     "lang_ids": _lang_ids,
@@ -108,7 +164,12 @@ BUILDERS: dict[str, Callable[[Any, torch.Generator], torch.Tensor]] = {
 #: model type -> names.
 NEEDS: dict[str, tuple[str, ...]] = {
     "blip": ("pixel_values",),  # "You have to specify pixel_values"
-    "kosmos-2": ("pixel_values",),  # "You have to specify either `pixel_values` or ..."
+    "kosmos-2": ("pixel_values", "image_embeds_position_mask"),  # "... or `image_embeds`"
+    "idefics": ("pixel_values", "image_attention_mask"),  # "Exactly 1 of pixel_values, ..."
+    "pi0": ("pixel_values", "pixel_attention_mask", "actions"),  # the images, the loss target
+    "voxtral_realtime": ("input_features",),  # "exactly one of input_features or ..."
+    "pix2struct": ("flattened_patches",),  # "You have to specify flattened_patches"
+    "vision-encoder-decoder": ("pixel_values",),  # "You have to specify pixel_values"
     "git": ("pixel_values",),  # its loss skips the image tokens: without them, no logits
     "udop": ("bbox",),  # "Bbox is required for horizontal relative position bias"
     "xmod": ("lang_ids",),  # "Input language unknown"
@@ -131,7 +192,7 @@ def transformers_inputs(spec: str, model: nn.Module, generator: torch.Generator)
     vocab = int(text.vocab_size)
     params = inspect.signature(model.forward).parameters
     ids = _ids(config, vocab, (BATCH, SEQ), generator)
-    out: dict[str, Any] = {"input_ids": ids}
+    out: dict[str, Any] = {"input_ids": ids} if "input_ids" in params else {}
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     if "labels" in params:
         labels = _ids(config, vocab, (BATCH, DECODER_SEQ), generator) if encoder_decoder else ids

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ import torch.nn as nn
 from fsdp_precision._cli.hf_inputs import adds_to
 from fsdp_precision._cli.models import is_hf_spec, load_model, load_tiny_model, one_line
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
+from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
 from fsdp_precision._plan.plan import PrecisionPlan
@@ -61,26 +62,61 @@ def _rules(opts: PlanOptions) -> PrecisionRules:
     )
 
 
+def _own_or(model: nn.Module, inputs: Any) -> Any:
+    """``inputs`` for ``model``'s traced forwards, or ``None`` for its own ``dummy_inputs``
+    (a transformers model's, unless ``inputs`` add pixel values, decoder inputs, ...)."""
+    own = default_inputs(model)
+    return None if own is not None and not adds_to(inputs, own[0]) else inputs
+
+
 def _plan(
-    model: nn.Module, opts: PlanOptions, world_size: int, inputs: Any = None
+    model: nn.Module,
+    opts: PlanOptions,
+    world_size: int,
+    inputs: Any = None,
+    advice: PrecisionAdvice | None = None,
 ) -> PrecisionPlan:
     """The plan; ``inputs`` feed its traced forwards (the units torch can run, the precision
     advisor) where the model has no ``dummy_inputs`` of its own (Diffusers, module:callable),
     or where they hold arguments its own lack (pixel values, an encoder-decoder's decoder
-    inputs)."""
+    inputs); ``advice``, found already, is used as it is."""
     rules = _rules(opts)
-    own = default_inputs(model)
-    if own is not None and not adds_to(inputs, own[0]):
-        inputs = None  # a transformers model's own, unless they lack pixel values, ...
+    inputs = _own_or(model, inputs)
     if opts.units == "size":  # wrap_model_for_training's units, refusals explained
         config = DistributedConfig(
             fsdp_mixed_precision=rules, fsdp_auto_wrap_min_params=opts.min_params
         )
-        return plan_model_for_training(model, config, world_size=world_size, example_inputs=inputs)
+        return plan_model_for_training(
+            model, config, world_size=world_size, example_inputs=inputs, advice=advice
+        )
     units = units_of(model, opts.units, min_params=opts.min_params)
     return compile_param_dtype_maps(
-        model, rules, units, world_size=world_size, example_inputs=inputs
+        model, rules, units, world_size=world_size, example_inputs=inputs, advice=advice
     )
+
+
+def _advice(opts: PlanOptions, model: nn.Module, inputs: Any) -> PrecisionAdvice | None:
+    """The advisor's findings: the full-size forward on the meta device; where that stops
+    before its end (it reads values: MoE dispatch, ``Tensor.item()``), the same forward on a
+    tiny CPU build of the config, its findings carried to the full-size names by block."""
+    if opts.advice == "off":
+        return None
+    found = advise(model, _own_or(model, inputs))
+    if found.complete or not is_hf_spec(opts.model):
+        return found
+    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
+
+    torch.manual_seed(0)
+    try:
+        tiny = load_tiny_model(opts.model, device="cpu", dtype=torch.float32)
+        tiny_inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
+    except Exception:  # noqa: BLE001 - no tiny build: the meta trace's advice, as it stopped
+        return found
+    carried = advise(model, _own_or(tiny, tiny_inputs), stand_in=tiny)
+    if not (carried.complete or (carried.covered and not found.covered)):
+        return found
+    why = found.stopped or "read no parameter"
+    return replace(carried, traced=f"{carried.traced} (on the meta device it stopped: {why})")
 
 
 def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
@@ -130,7 +166,8 @@ def _inputs(spec: str, model: nn.Module) -> dict[str, Any] | None:
 
 def run_plan(opts: PlanOptions) -> int:
     model = load_model(opts.model)
-    plan = _plan(model, opts, opts.world_size, _inputs(opts.model, model))
+    inputs = _inputs(opts.model, model)
+    plan = _plan(model, opts, opts.world_size, inputs, _advice(opts, model, inputs))
     memory = memory_per_rank(plan)
     trace, how = _trace(opts)
     if opts.as_json:

@@ -20,7 +20,7 @@ import torch.nn as nn
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
 from fsdp_precision._cli.diffusers_models import inputs_source as diffusers_inputs
-from fsdp_precision._cli.hf_inputs import transformers_inputs
+from fsdp_precision._cli.hf_inputs import NEEDS, transformers_inputs
 from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
@@ -119,8 +119,9 @@ def _inputs_source(spec: str, model: nn.Module) -> Any:
     if library_of(model) == "diffusers":
         return diffusers_inputs(spec, model)
     if library_of(model) == "transformers":
-        if "input_ids" in inspect.signature(model.forward).parameters:
-            return None
+        takes_ids = "input_ids" in inspect.signature(model.forward).parameters
+        if takes_ids or getattr(model.config, "model_type", None) in NEEDS:
+            return None  # token ids, or the pixel inputs NEEDS names for its model type
         raise ValueError(
             f"MODEL {spec!r}: {type(model).__name__}.forward takes no input_ids, so verify "
             "cannot make its inputs; wrap it in a module:callable factory whose model has "

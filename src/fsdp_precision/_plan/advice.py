@@ -6,14 +6,15 @@ forward (:mod:`fsdp_precision._plan.flow`), each with its reason and a rule read
 >>> rules = PrecisionRules(rules=advice.rules())  # doctest: +SKIP
 
 The trace runs once, on the meta device at full size (no memory, no compute) or on real
-inputs, with the caller's ``example_inputs`` or the model's ``dummy_inputs``. What it did not
-reach is said (:attr:`PrecisionAdvice.not_reached`), never silently empty.
+inputs, with the caller's ``example_inputs`` or the model's ``dummy_inputs``; or on a smaller
+build of the same architecture (``stand_in``), where the meta device cannot run the forward
+(it reads values), its findings carried to the model's names (:mod:`._plan.stand_in`). What it
+did not reach is said (:attr:`PrecisionAdvice.not_reached`), never silently empty.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._base.watch import ROOT, RunningModules
 from fsdp_precision._plan.flow import KINDS, Finding, Flow, Kind
 from fsdp_precision._plan.rules import AdvisedRule, Glob
+from fsdp_precision._plan.stand_in import block_free, carry, check_stand_in
 from fsdp_precision._plan.usage import (
     call_forward,
     default_inputs,
@@ -60,7 +62,6 @@ _WHY: Mapping[Kind, str] = {
     "3 significant digits of features whose fine differences encode the value",
     "norm": "a norm weight (weaker: it scales normalised activations; keeping it is cheap)",
 }
-_DIGITS = re.compile(r"^\d+$")
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,19 @@ class PrecisionAdvice:
         covered: Whether a forward ran far enough to read any parameter.
         not_reached: Modules holding parameters no op of the trace read (globbed over block
             indices): no advice covers them.
+        stopped: Where the forward stopped before its end (``"Type: message"``), else ``""``.
     """
 
     advice: tuple[Advice, ...]
     traced: str
     covered: bool
     not_reached: tuple[str, ...] = field(default_factory=tuple)
+    stopped: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the forward reached its end (and so every parameter it uses)."""
+        return self.covered and not self.stopped
 
     def rules(self, kinds: Iterable[Kind] = APPLIED_KINDS) -> tuple[Glob, ...]:
         """The rules that keep ``kinds`` in fp32, for ``PrecisionRules(rules=...)``."""
@@ -127,7 +135,11 @@ class PrecisionAdvice:
             for a in self.advice
         )
         return PrecisionAdvice(
-            tuple(a for a in advice if a.params), self.traced, self.covered, self.not_reached
+            tuple(a for a in advice if a.params),
+            self.traced,
+            self.covered,
+            self.not_reached,
+            self.stopped,
         )
 
     def explain(self) -> str:
@@ -169,6 +181,7 @@ class PrecisionAdvice:
         return {
             "traced": self.traced,
             "covered": self.covered,
+            "stopped": self.stopped,
             "not_reached": list(self.not_reached),
             "advice": [
                 {
@@ -183,7 +196,9 @@ class PrecisionAdvice:
         }
 
 
-def advise(model: nn.Module, example_inputs: Any = None) -> PrecisionAdvice:
+def advise(
+    model: nn.Module, example_inputs: Any = None, *, stand_in: nn.Module | None = None
+) -> PrecisionAdvice:
     """Trace one forward of ``model`` and find the parameters whose precision matters.
 
     ``example_inputs``: a mapping (keyword arguments), a tuple (positional) or one tensor;
@@ -191,35 +206,50 @@ def advise(model: nn.Module, example_inputs: Any = None) -> PrecisionAdvice:
     forward runs in its own train/eval mode, without gradients, on a forked RNG. Without
     inputs, or when the forward fails before reading any parameter, the advice says it is not
     covered.
+
+    ``stand_in``: a smaller build of the same class from the same config (fewer blocks,
+    narrower; :func:`fsdp_precision.testing.tiny_config`), on a device with values. Its forward
+    is traced instead (``example_inputs`` are its inputs), and each finding applies to every
+    parameter of ``model`` with the same name up to block indices: for a full-size model on the
+    meta device whose forward reads values (MoE dispatch, ``Tensor.item()``). ``ValueError``
+    for a stand-in of another class.
     """
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return PrecisionAdvice((), "not traced: the model is already sharded", covered=False)
+    if stand_in is not None:
+        check_stand_in(model, stand_in)
+    traced_model = model if stand_in is None else stand_in
     chosen = (example_inputs, "example_inputs") if example_inputs is not None else None
-    chosen = chosen or default_inputs(model)
+    chosen = chosen or default_inputs(traced_model)
     if chosen is None:
         return PrecisionAdvice(
             (), "not traced: no example_inputs and no dummy_inputs", covered=False
         )
     inputs, source = chosen
-    moved = on_model_device(model, inputs)
-    running = RunningModules(model)
-    flow = Flow(model, running)
+    moved = on_model_device(traced_model, inputs)
+    running = RunningModules(traced_model)
+    flow = Flow(traced_model, running)
     flow.mark_inputs(moved)
     error = ""
     # In the model's own mode: some layers change themselves at an eval forward without
     # gradients (bitsandbytes' CPU 4-bit layers repack their weights in place).
-    with quiet_forward(model, eval_mode=False), running, flow:
+    with quiet_forward(traced_model, eval_mode=False), running, flow:
         try:
-            call_forward(model, moved)
+            call_forward(traced_model, moved)
         except Exception as exc:  # noqa: BLE001 - what ran before is advice; the rest is said
             error = first_line(exc)
+    findings, touched = list(flow.findings.values()), set(flow.touched)
+    if stand_in is not None:
+        count = sum(p.numel() for p in stand_in.parameters())
+        source = f"{source} of a smaller build ({count:,} parameters), carried by block name"
+        findings, touched = carry(findings, touched, stand_in, model)
     traced = f"traced a forward on {source}" + (f", which stopped early: {error}" if error else "")
-    findings = list(flow.findings.values())
     return PrecisionAdvice(
-        advice=_group(model, findings, flow.touched),
+        advice=_group(model, findings, touched),
         traced=traced,
-        covered=bool(flow.touched),
-        not_reached=_not_reached(model, flow.touched) if flow.touched else (),
+        covered=bool(touched),
+        not_reached=_not_reached(model, touched) if touched else (),
+        stopped=error,
     )
 
 
@@ -251,14 +281,10 @@ def _strongest(findings: list[Finding]) -> dict[str, Finding]:
     return best
 
 
-def _generalised(fqn: str) -> str:
-    return ".".join("*" if _DIGITS.match(s) else s for s in fqn.split("."))
-
-
 def _pattern(fqn: str, names: list[str], flagged: set[str]) -> str:
     """The shortest glob that matches the same parameters as ``fqn`` with its block indices
     globbed, and no parameter the trace read without flagging (else ``fqn`` itself)."""
-    general = _generalised(fqn)
+    general = block_free(fqn)
     matched = {n for n in names if fnmatch.fnmatchcase(n, general)}
     if matched - flagged:
         return fqn
@@ -364,5 +390,5 @@ def _not_reached(model: nn.Module, touched: set[str]) -> tuple[str, ...]:
     modules: dict[str, None] = {}
     for fqn, _ in model.named_parameters():
         if fqn not in touched:
-            modules.setdefault(_generalised(fqn.rpartition(".")[0] or ROOT), None)
+            modules.setdefault(block_free(fqn.rpartition(".")[0] or ROOT), None)
     return tuple(modules)

@@ -3,11 +3,14 @@ parameters (``Glob(..., boundary=...)``; see :mod:`fsdp_precision._policy.casts`
 
 A module gets one where the whole subtree it holds is kept: every parameter under it that the
 unit manages was claimed by a rule, and all compute in one dtype other than the activations'.
-Only the outermost such module of a subtree does (a kept ``time_embedder`` casts once, not
-again at each of its linears; a container such as a ``ModuleList`` of norms is never called, so
-its members do), and never a module whose subtree holds parameters of another
-dtype (a block with a kept ``scale_shift_table``, RWKV's attention with its ``time_decay``): its
-forward does more than use what is kept.
+Only the outermost such module of a subtree casts its outputs back (a kept ``time_embedder``
+hands its fp32 values from one linear to the next, not through bf16; a container such as a
+``ModuleList`` of norms is never called, so its members do), and never a module whose subtree
+holds parameters of another dtype (a block with a kept ``scale_shift_table``, RWKV's attention
+with its ``time_decay``): its forward does more than use what is kept. The kept modules inside
+it cast their inputs only: a no-op, unless the model's own code rounds in between
+(LTX-Video's ``AdaLayerNormSingle`` casts the timestep features to the activations' dtype
+before its kept embedder's first linear). A unit kept whole gets none: FSDP casts its inputs.
 """
 
 from __future__ import annotations
@@ -58,9 +61,14 @@ def module_casts(
     for member in members:
         covered: list[str] = []  # outermost cast modules so far: their subtrees are done
         for name, module in member.named_modules():
-            if any(c == "" or name == c or name.startswith(f"{c}.") for c in covered):
-                continue
             if isinstance(module, CONTAINERS):  # never called: its members get the casts
+                continue
+            if "" in covered:  # a unit kept whole: FSDP casts its inputs, nothing inside does
+                continue
+            if any(name.startswith(f"{c}.") for c in covered):
+                inner = _inner_cast(module, compute, claimed, activation, names)
+                if inner is not None:
+                    casts.setdefault(names[id(module)], inner)
                 continue
             params = [p for p in module.parameters() if p.dim() > 0]  # 0-dim: replicated
             if not params or not all(id(p) in compute and id(p) in claimed for p in params):
@@ -75,6 +83,25 @@ def module_casts(
                 casts.setdefault(names[id(module)], cast)
                 covered.append(name)
     return casts
+
+
+def _inner_cast(
+    module: nn.Module,
+    compute: Mapping[int, torch.dtype],
+    claimed: Claimed,
+    activation: torch.dtype,
+    names: Mapping[int, str],
+) -> ModuleCast | None:
+    """An input cast for a module inside a cast subtree that holds kept parameters itself."""
+    params = [p for p in module.parameters(recurse=False) if p.dim() > 0]
+    if not params or not all(id(p) in compute and id(p) in claimed for p in params):
+        return None
+    dtypes = {compute[id(p)] for p in params}
+    if len(dtypes) != 1 or activation in dtypes:
+        return None
+    if _boundary(names[id(module)], params, claimed) == "none":
+        return None
+    return ModuleCast(dtypes.pop())
 
 
 def local_casts(

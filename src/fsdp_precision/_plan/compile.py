@@ -20,7 +20,7 @@ from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
-from fsdp_precision._plan.advice import advise, advised_rules
+from fsdp_precision._plan.advice import PrecisionAdvice, advise, advised_rules
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
 from fsdp_precision._plan.plan import PrecisionPlan
@@ -62,6 +62,7 @@ def compile_param_dtype_maps(
     hsdp: bool = False,
     example_inputs: object = None,
     unknown_torch: UnknownTorch = "refuse",
+    advice: PrecisionAdvice | None = None,
 ) -> PrecisionPlan:
     """Compile ``rules`` into one exact map per planned ``fully_shard`` call.
 
@@ -80,6 +81,9 @@ def compile_param_dtype_maps(
     when :attr:`PrecisionPlan.advice` is first read. ``unknown_torch="public_api"``: where the
     patch cannot run on the installed torch (:data:`UNKNOWN_TORCH`), plan the separate-units
     layout instead, and say so (``plan.fallback``, a warning with the extra collectives).
+    ``advice``: the advisor's findings for this model, found already (:func:`advise`, with a
+    ``stand_in`` where the model's own forward cannot run on the meta device): used as they
+    are, nothing traced again.
 
     Raises :class:`ParamDtypeMapError` (before anything is wrapped) for rules that match nothing,
     user rules that earlier rules fully shadow, parameters no unit owns, ties across units,
@@ -105,7 +109,9 @@ def compile_param_dtype_maps(
     decision_dtype = rules.param_dtype or _majority_dtype(model)
     decls = tuple(declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
     traced = rules.advice == "apply" or (rules.advice == "report" and example_inputs is not None)
-    found = advise(model, example_inputs) if traced else None
+    found = advice
+    if found is None and traced:
+        found = advise(model, example_inputs)
     advised = advised_rules(found) if found is not None and rules.advice == "apply" else ()
     claimed, claims = claim_params(model, rules, decls, fqns_of, advised)
     upcasts = planned_upcasts(model, claimed, fqns_of)

@@ -46,7 +46,8 @@ _ATTR = "_fsdp_precision_diagnosis"
 _MISMATCH = re.compile(
     r"same dtype|expected scalar type|dtype mismatch|expected both vectors to have same dtype|"
     r"Input type \(.*\) and (weight|bias) type|expected .* to have .* dtype|"
-    r"should be the same|found dtype \w+ but expected \w+",
+    r"should be the same|found dtype \w+ but expected \w+|"
+    r"mixed dtype \(CPU\): expect parameter to have scalar type",
     re.IGNORECASE,
 )
 
@@ -96,6 +97,8 @@ class _Call:
 
     owner: str  # class of the call's module
     wide: list[tuple[str, str, torch.dtype, torch.dtype]] = field(default_factory=list)
+    #: the call module's own entry, where it holds kept parameters itself
+    own: KeptModule | None = None
 
     def pre(self, module: nn.Module, args: Any) -> None:
         self.wide.clear()
@@ -106,6 +109,8 @@ class _Call:
             return
         if self.wide:
             _add_note(exc, _after_note(self))
+        elif self.own is not None and not self.own.whole:
+            _add_note(exc, _mixed_note(self))
 
 
 def kept_modules(
@@ -160,6 +165,8 @@ def install_diagnosis(call_modules: Sequence[nn.Module], kept: Sequence[KeptModu
         named = dict(member.named_modules())
         for entry in kept:
             module = named.get(entry.name)
+            if module is member and entry.params:
+                call.own = entry
             if module is None or getattr(module, _ATTR, None) is not None or module is member:
                 continue
             setattr(module, _ATTR, entry)
@@ -192,6 +199,8 @@ class _KeptWatch:
             out = _dtypes(output)
             if came is not None and out and out[0] != came:
                 self.call.wide.append((self.entry.name, type(module).__name__, came, out[0]))
+            elif came is not None and out:  # cast back: what its kept insides returned stays in
+                del self.call.wide[wide_before:]
             return
         if getattr(exc, _NOTED, False) or not is_dtype_mismatch(exc):
             return
@@ -235,6 +244,17 @@ def _inside_note(entry: KeptModule, module: nn.Module, came: torch.dtype | None)
     return (
         f"{NOTE_PREFIX}{where} {kept},{got} raised this dtype mismatch: its forward does not "
         f"cast its inputs to its weights' dtype, and it has no boundary cast ({why}). Fix: {fix}"
+    )
+
+
+def _mixed_note(call: _Call) -> str:
+    assert call.own is not None
+    return (
+        f"{NOTE_PREFIX}the {call.owner} holds kept {_shown(call.own.params)} itself, beside "
+        "parameters in another dtype, and this dtype mismatch came from its own forward: its "
+        "code mixes the kept parameters into its activations (which then meet a layer in the "
+        "unit's dtype), and no module boundary lies between them to cast at. Fix: keep none "
+        "of them (drop the rule that keeps them), or keep the layers they feed too"
     )
 
 

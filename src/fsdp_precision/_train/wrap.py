@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp_precision._plan.advice import PrecisionAdvice
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.units import choose_units
@@ -37,6 +38,7 @@ def plan_model_for_training(
     *,
     world_size: int | None = None,
     example_inputs: Any = None,
+    advice: PrecisionAdvice | None = None,
 ) -> PrecisionPlan:
     """The units and exact precision maps ``wrap_model_for_training`` would use, unapplied.
 
@@ -47,6 +49,7 @@ def plan_model_for_training(
     counts follow the config's knobs:
     ``fsdp_reshard_after_forward`` (``True`` is torch's ``reshard_after_forward=None``: every
     unit but the root; ``False``: none) and the all-reduce across replicas of ``"hsdp"``.
+    ``advice``: the advisor's findings, found already (as :func:`compile_param_dtype_maps`).
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -74,6 +77,7 @@ def plan_model_for_training(
         hsdp=hsdp,
         unknown_torch=config.fsdp_unknown_torch,
         example_inputs=example_inputs,  # the precision advisor's too
+        advice=advice,
     )
     return replace(plan, unit_choice=choice)
 

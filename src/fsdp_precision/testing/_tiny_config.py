@@ -82,6 +82,12 @@ TINY_SIZES: dict[str, int] = {
     "topk_group": 1,
     "first_k_dense_replace": 1,
     "num_dense_layers": 1,
+    # sparse layers among the kept ones (Switch Transformers derives its step from the count;
+    # NLLB-MoE makes every step-th layer sparse, none at a step over the depth)
+    "num_sparse_encoder_layers": 1,
+    "num_sparse_decoder_layers": 1,
+    "encoder_sparse_step": 2,
+    "decoder_sparse_step": 2,
     # linear attention (Qwen3-Next, ...)
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
@@ -98,6 +104,7 @@ TINY_SIZES: dict[str, int] = {
     "lru_width": 32,
     "num_filters": 4,
     "base_channels": 32,  # Janus's VQ image tokenizer (group norms of 32)
+    "latent_query_num": 4,  # Kosmos-2: the image's latent queries take as many tokens
 }
 
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
