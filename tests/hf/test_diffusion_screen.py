@@ -9,8 +9,11 @@ and a fix shows (update docs/model-families.md's table with the screen's output 
 advised timestep-feature Linears are kept with ``boundary="inputs_outputs"`` (their outputs
 back to bf16 for the next layer; at ``"auto"`` they stayed fp32, as a router's logits do, and
 HunyuanVideo, CogVideoX, QwenImage and the UNet failed their first forward). LTX-Video fails
-either way: its ``AdaLayerNormSingle`` casts the sinusoidal features to the activations' dtype
-inside the kept ``time_embed``, under the boundary cast the plan puts on ``time_embed``.
+either way, on the advised ``scale_shift_table``: its block adds the fp32 table to its
+activations and hands them to bf16 layers, with no module boundary to cast at (the error's note
+says so). Its ``AdaLayerNormSingle``, which rounds the timestep features to the activations'
+dtype inside the kept ``time_embed``, runs now: the kept linears inside a cast module cast
+their inputs too.
 """
 
 from __future__ import annotations
@@ -102,3 +105,9 @@ def test_the_comparison_sees_one_bit() -> None:
     assert screen.differences(ours, [(torch.tensor(1.0), {"w": nudged}, {"w": grad})]) == [
         "step 0 grad w"
     ]
+
+
+def test_ltx_videos_failure_names_the_table_its_block_mixes_in(rows: dict[str, Any]) -> None:
+    (note,) = rows["ltx_video"].attempts["advised"].notes
+    assert "the LTXVideoTransformerBlock holds kept 'scale_shift_table' (float32) itself" in note
+    assert "time_embed" not in note  # the embedder, once blamed, runs

@@ -96,8 +96,13 @@ def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
         owners[module] = dtype
 
     # A module with a boundary cast is one unit for its whole kept subtree, as in the in-unit
-    # layout, whose hooks sit there: its own unit casts inputs and outputs the same way.
-    casts = plan.module_casts
+    # layout, whose hooks sit there: its own unit casts inputs and outputs the same way (the
+    # input casts of kept modules inside it stay inside its unit).
+    casts = {
+        name: cast
+        for name, cast in plan.module_casts.items()
+        if not any(o != name and _inside([o], name) for o in plan.module_casts)
+    }
     activation = activation_dtype(
         plan.rules.param_dtype,
         ((p.storage, p.numel) for p in plan.params_by_fqn.values() if not p.claimed),
