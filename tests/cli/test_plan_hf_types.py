@@ -165,6 +165,30 @@ def test_inputs_a_model_code_requires() -> None:
     assert (box[..., 0] <= box[..., 2]).all() and (box[..., 1] <= box[..., 3]).all()
 
 
+#: model type -> the arguments its forward needs beyond token ids, and the error without them.
+BEYOND_TOKENS = {
+    "pix2struct": ("flattened_patches", "You have to specify flattened_patches"),
+    "vision-encoder-decoder": ("pixel_values", "You have to specify pixel_values"),
+    "pi0": ("state", "missing 1 required positional argument: 'state'"),
+    "voxtral_realtime": ("input_features", "exactly one of input_features"),
+    "kosmos-2": ("image_embeds_position_mask", ""),
+}
+
+
+@pytest.mark.parametrize("model_type", list(BEYOND_TOKENS))
+def test_inputs_beyond_token_ids_run_the_forward(model_type: str) -> None:
+    spec = f"hf:{model_type}"
+    torch.manual_seed(0)
+    model = load_model(spec, device="cpu", tiny=True, dtype=torch.float32)
+    inputs = make_inputs(spec, model, torch.Generator().manual_seed(0))
+    name, without = BEYOND_TOKENS[model_type]
+    assert name in inputs
+    model(**inputs)
+    if without:  # the negative control: the forward refuses to run without them
+        with pytest.raises((ValueError, TypeError), match=without):
+            model(**{k: v for k, v in inputs.items() if k != name})
+
+
 def test_a_config_without_a_vocabulary_is_a_one_line_reason() -> None:
     class NoVocab(torch.nn.Module):
         class config:  # noqa: N801 - a stand-in for a transformers config

@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from fsdp_precision import ModuleCast
 from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
@@ -139,7 +140,16 @@ def case_recipe_keeps_the_router_gates_in_fp32_with_torchtitans_units() -> None:
     recipe = tiny_qwen3_moe(autocast_stand_in=False)
     model = sum_reductions_for_gloo(parallelize_with_model_policy(recipe, mesh, RULES))
     casts = [n for n, m in model.named_modules() if installed_cast(m) is not None]
-    assert casts == ["layers.0.moe.router", "layers.1.moe.router"], casts  # kept whole
+    # Kept whole: the router casts its inputs and outputs; its gate, inside it, its inputs only
+    # (a no-op here: the router's cast already made them fp32).
+    assert casts == [
+        "layers.0.moe.router",
+        "layers.0.moe.router.gate",
+        "layers.1.moe.router",
+        "layers.1.moe.router.gate",
+    ], casts
+    gate = model.get_submodule("layers.0.moe.router.gate")
+    assert installed_cast(gate) == ModuleCast(torch.float32)
     names = [n for n, _ in model.named_parameters()]
     not_sharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not not_sharded, not_sharded
@@ -407,7 +417,12 @@ def case_export_writes_torchtitans_names_with_the_gates_in_fp32() -> None:
         fresh.load_state_dict(weights, strict=False, assign=True)
         assert sorted(restore_kept(fresh, out)) == sorted(kept + list(buffers))
         casts = [n for n, m in fresh.named_modules() if installed_cast(m) is not None]
-        assert casts == ["layers.0.moe.router", "layers.1.moe.router"], casts
+        assert casts == [
+            "layers.0.moe.router",
+            "layers.0.moe.router.gate",
+            "layers.1.moe.router",
+            "layers.1.moe.router.gate",
+        ], casts
         hf = Qwen3StateDictAdapter(tiny_qwen3_moe_config(), None).to_hf(weights)
         assert hf["model.layers.0.mlp.gate.weight"].dtype == fp32
         assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == bf16
