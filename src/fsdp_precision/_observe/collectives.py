@@ -1,7 +1,9 @@
 """Collectives on the wire: every all-gather, reduce-scatter and all-reduce, with dtype and bytes.
 
 Nothing here changes numerics: the recorder wraps ``torch.distributed``'s collective functions
-and forwards every call unchanged.
+(FSDP's own) and its functional collectives (``torch.distributed._functional_collectives``,
+which DTensor's redistributions issue: tensor parallelism's, and the all-reduce of a gradient
+that is ``Partial`` over a TP mesh dim) and forwards every call unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = ["Collective", "CollectiveRecorder"]
 
@@ -24,6 +27,13 @@ _WRAPPED: dict[str, tuple[str, str]] = {
     "all_reduce": ("all_reduce", "tensor"),
 }
 
+# name in torch.distributed._functional_collectives -> kind (the input is the first argument)
+_FUNCTIONAL: dict[str, str] = {
+    "all_gather_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -34,12 +44,15 @@ class Collective:
         dtype: Dtype on the wire (``torch.uint8`` when FSDP packs mixed dtypes as bytes).
         input_bytes: Bytes this rank contributed.
         group_size: Ranks in the group.
+        functional: Issued through torch's functional collectives (DTensor's redistributions:
+            tensor parallelism, a gradient reduced over a TP mesh dim), not FSDP's own.
     """
 
     kind: str
     dtype: torch.dtype
     input_bytes: int
     group_size: int
+    functional: bool = False
 
     @property
     def output_bytes(self) -> int:
@@ -77,26 +90,55 @@ class CollectiveRecorder:
 
         return wrapper
 
+    def _wrap_functional(self, name: str, kind: str) -> Callable[..., Any]:
+        original = getattr(funcol, name)
+
+        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            nbytes = tensor.numel() * tensor.element_size()
+            self.calls.append(Collective(kind, tensor.dtype, nbytes, _size(group), True))
+            return original(tensor, *args, **kwargs)
+
+        return wrapper
+
     def __enter__(self) -> CollectiveRecorder:
         for name, (kind, arg) in _WRAPPED.items():
             if hasattr(dist, name):
                 self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, kind, arg))
+        for name, kind in _FUNCTIONAL.items():
+            self._saved["funcol." + name] = getattr(funcol, name)
+            setattr(funcol, name, self._wrap_functional(name, kind))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
-            setattr(dist, name, original)
+            owner, _, attr = name.rpartition(".")
+            setattr(funcol if owner == "funcol" else dist, attr, original)
         self._saved.clear()
 
-    def of(self, kind: str) -> list[Collective]:
-        """The recorded calls of one kind, in order."""
-        return [c for c in self.calls if c.kind == kind]
+    def of(self, kind: str, *, functional: bool = False) -> list[Collective]:
+        """The recorded calls of one kind, in order: FSDP's own (``torch.distributed``'s), or
+        with ``functional=True`` the functional ones (DTensor's redistributions)."""
+        return [c for c in self.calls if c.kind == kind and c.functional == functional]
 
-    def count(self, kind: str) -> int:
-        """How many calls of one kind were recorded."""
-        return len(self.of(kind))
+    def count(self, kind: str, *, functional: bool = False) -> int:
+        """How many calls of one kind were recorded (see :meth:`of`)."""
+        return len(self.of(kind, functional=functional))
 
     def clear(self) -> None:
         """Forget what was recorded so far (keep recording)."""
         self.calls.clear()
+
+
+def _size(group: Any) -> int:
+    """Ranks in a functional collective's group: a process group, a 1-D device mesh, a
+    ``(mesh, mesh_dim)`` pair or a list of ranks."""
+    if isinstance(group, tuple):
+        mesh, dim = group
+        return int(mesh.size(dim))
+    if isinstance(group, list):
+        return len(group)
+    if hasattr(group, "size") and not isinstance(group, dist.ProcessGroup):
+        return int(group.size())  # a 1-D DeviceMesh
+    return dist.get_world_size(group)

@@ -69,6 +69,18 @@ class ReleaseTraits:
     #: 2.15: ``fully_shard`` keeps a parameter's ``Tensor.grad_dtype`` on the sharded parameter
     #: it builds; before, it is dropped (pytorch #172074), which the construction wrap refuses.
     keeps_grad_dtype: bool = False
+    #: 2.15: a gradient that FSDP reduces over mesh dims outside its own (``Partial`` on the TP
+    #: dim of an FSDP x TP mesh: a replicated norm, bias or router gate) is produced in the
+    #: reduce dtype (``FSDPParam.may_reduce_grad_outside_dp`` keeps it out of the deferred
+    #: upcast), so ``_get_grad_inner_tensor``'s all-reduce honours ``reduce_dtype``. Before,
+    #: that all-reduce runs in the compute dtype (pytorch #190626); the patch replaces
+    #: ``_get_grad_inner_tensor`` (``_patch/partial.py``) on every unit, mapped or not.
+    reduces_partial_grads: bool = False
+    #: 2.12: ``FSDPParam`` keeps the unsharded parameter's placements on every mesh dim as
+    #: ``_unsharded_dtensor_spec`` and, on a full SPMD mesh (``mesh_info.is_spmd_mesh``), leaves
+    #: the DP dims ``Partial`` for the reduce-scatter (``_dp_dim_indices``); 2.11 keeps the TP
+    #: placements as ``_tp_spec``.
+    spmd_meshes: bool = True
 
     def __post_init__(self) -> None:
         if self.foreach_reduce_results not in (6, 7):
@@ -135,6 +147,9 @@ PRECISION_REPLACED: tuple[str, ...] = (
 
 #: Replaced where ``patches_precision`` without ``mixed_dtype_reduce`` (2.11-2.14): ``_reduce``.
 REDUCE_REPLACED: tuple[str, ...] = (_P + "_fsdp_collectives:foreach_reduce",)
+
+#: Replaced where not ``reduces_partial_grads`` (2.11-2.14): ``_partial``.
+PARTIAL_REPLACED: tuple[str, ...] = (_P + "_fsdp_param:FSDPParam._get_grad_inner_tensor",)
 
 #: Relied on by the construction wrap (``FSDPState.init``'s registration that ``_construct``
 #: undoes, the call into ``FSDPParamGroup``).
@@ -243,6 +258,8 @@ def hashed_functions(traits: ReleaseTraits) -> tuple[str, ...]:
         groups += [PRECISION_REPLACED, MIXED_REDUCE_RELIED_ON]
     elif traits.patches_precision:
         groups += [PRECISION_REPLACED, REDUCE_REPLACED, PRECISION_RELIED_ON]
+    if not traits.reduces_partial_grads:
+        groups.append(PARTIAL_REPLACED)
     if traits.compiled_autograd_branches:
         groups.append(COMPILED_AUTOGRAD_RELIED_ON)
     if traits.native_override:

@@ -3,7 +3,8 @@
 2.11 builds one ``FSDPParamGroup`` per ``fully_shard`` call, makes every sharded parameter
 trainable, lacks the non-floating ``param_dtype`` clamp, keeps compiled-autograd branches in
 ``_get_param_all_gather_inputs`` and ``foreach_reduce``, and returns six values from
-``foreach_reduce``: each is a trait below.
+``foreach_reduce``, and keeps a DTensor parameter's TP placements as ``_tp_spec``: each is a
+trait below.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ TRAITS = ReleaseTraits(
     clamps_non_floating=False,
     compiled_autograd_branches=True,
     foreach_reduce_results=6,
+    spmd_meshes=False,
 )
 
 SOURCES: dict[str, str] = {
@@ -51,5 +53,6 @@ SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_common:_get_dim0_padded_size": "50614ac10ac0f541862db19d45a4b647586e12d21f716a2855e1a5a41b6fe6ea",
     "torch.distributed.fsdp._fully_shard._fsdp_common:_to_dtype_if_needed": "266529c8c622bbfaa02b5028b3367afefd9779abaa1483bdf3c687884605b5d2",
     "torch.distributed._composable_state:_insert_module_state": "8e06113807aa1497fbaf5ed16eb3e13a8a79cb5c5ec6d3587cc59ca80655761a",
+    "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._get_grad_inner_tensor": "749ec40fa7f78a3417534834894a01f4d30f0502d91b80f494a07c05b1ace01f",
     "torch.distributed.fsdp._fully_shard._fsdp_common:compiled_autograd_enabled": "20d057491a117461e67bd919ddb46850f4b6760c34244acdcbd98462e48d26a2",
 }

@@ -43,4 +43,5 @@ SOURCES: dict[str, str] = {
     "torch.distributed.fsdp._fully_shard._fsdp_common:_get_dim0_padded_size": "50614ac10ac0f541862db19d45a4b647586e12d21f716a2855e1a5a41b6fe6ea",
     "torch.distributed.fsdp._fully_shard._fsdp_common:_to_dtype_if_needed": "266529c8c622bbfaa02b5028b3367afefd9779abaa1483bdf3c687884605b5d2",
     "torch.distributed._composable_state:_insert_module_state": "8e06113807aa1497fbaf5ed16eb3e13a8a79cb5c5ec6d3587cc59ca80655761a",
+    "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam._get_grad_inner_tensor": "5c33e5c3d58cb5f1972d9d0d317776cb278da68d13ac28953dc0289ec7396282",
 }

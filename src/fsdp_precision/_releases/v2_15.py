@@ -21,6 +21,7 @@ TRAITS = ReleaseTraits(
     mixed_dtype_reduce=True,
     defers_grad_upcast=True,
     keeps_grad_dtype=True,
+    reduces_partial_grads=True,
 )
 
 SOURCES: dict[str, str] = {
