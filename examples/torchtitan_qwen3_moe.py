@@ -7,16 +7,27 @@ in fp32 inside bf16 FSDP units, gradients reduced in fp32; saved and resumed wit
         --stop-after 2      # a preemption: the run ends after step 2's checkpoint
     torchrun --standalone --nproc_per_node 2 examples/torchtitan_qwen3_moe.py --dir run
                             # resumes after step 2, bitwise as if it had never stopped
+    torchrun --standalone --nproc_per_node 4 examples/torchtitan_qwen3_moe.py --tp 2 --ep 2
+                            # torchtitan's tensor and expert parallelism, FSDP on top
 
 torchtitan's ``apply_fsdp_to_decoder`` builds its own ``MixedPrecisionPolicy``; the recipe makes
 the same calls (embedding, ``[norm, lm_head]``, each block, the root) with one ``model_policy``,
 and goes in the model's ``ModelSpec.parallelize_fn`` (``parallelize_qwen3_with_model_policy``,
-torchtitan's signature; set ``--parallelism.spmd_backend partial_dtensor``). On CUDA torchtitan
+torchtitan's signature; set ``--parallelism.spmd_backend partial_dtensor``). Its
+``parallelize_qwen3`` applies torchtitan's TP and EP first; under EP > 1 the recipe makes each MoE
+block one unit of two parameter groups, as ``apply_fsdp_to_decoder`` does: the routed experts on
+the ``efsdp`` mesh through a ``ShardPlacementResult``, the rest (the gate too) on ``fsdp``. Under
+TP the norms and gates are replicated on the TP mesh; their gradients' all-reduce over it runs in
+the reduce dtype (fp32) under the library's patch (torch's own runs it in the compute dtype,
+pytorch #190626). ``--tp``/``--ep`` set torchtitan's degrees. On CUDA torchtitan
 computes the gate under ``autocast(float32)``; the rule's boundary cast casts the gate's input on
 any device. Here ``main`` builds torchtitan's own Qwen3 MoE small on CPU (its SDPA attention:
 flex attention has no CPU backward), takes the job config of its ``qwen3_moe_debug`` recipe from
-its ``ConfigManager`` (``--checkpoint.interval 1``), and builds the optimizers, LR schedulers and
-checkpointer from it as torchtitan's ``Trainer`` does.
+its ``ConfigManager`` (``--checkpoint.interval 1``; ``--training.disable_cuda_graphs``, which its
+EP token dispatch needs), its ``ParallelDims`` (on the CPU without a GPU), and builds the
+optimizers, LR schedulers and checkpointer from it as torchtitan's ``Trainer`` does. A reload
+in one process gives the trained logits bitwise without TP/EP, and within 5% with them (TP's
+sharded matmuls and EP's dispatched experts sum in another order).
 
 Checkpoints: ``CheckpointManager.save(step)`` writes ``<dump_folder>/checkpoint/step-<N>`` with
 ``torch.distributed.checkpoint``: every rank its model and optimizer shards as stored (the fp32
@@ -35,8 +46,9 @@ fp32, one FSDP unit in memory at a time; a fresh model loads it with ``load_stat
 assign=True)`` and ``restore_kept`` (the boundary casts). torchtitan's
 ``Qwen3StateDictAdapter.to_hf`` renames it for Hugging Face (experts split, dtypes kept).
 Without ``--dir`` the run lives in a temporary directory. ``--out`` writes the final state
-(rank 0), which ``tests/integrations/test_torchtitan.py`` compares bitwise across launches; it
-also imports the recipe from this file. CI runs both in its torchtitan venv.
+(rank 0), which ``tests/integrations/test_torchtitan.py`` (2 ranks) and
+``test_torchtitan_meshes.py`` (4 ranks, TP 2 x EP 2) compare bitwise across launches; they also
+import the recipe from this file. CI runs them in its torchtitan venv.
 """
 
 from __future__ import annotations

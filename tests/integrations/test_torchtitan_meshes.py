@@ -14,7 +14,8 @@ its own TP and EP. Three builds per mesh:
 - the negative control: torchtitan's own ``parallelize_qwen3`` (gates in bf16).
 
 The recipe is bitwise the reference (loss, every gradient, the loss after an AdamW step), gathers
-the gates in fp32 and the rest in bf16, and makes the plain layout's collectives. Under TP every
+the gates in fp32 and the rest in bf16, hands only the gates an fp32 input (no activation leaks
+into a bf16 sibling, NeMo Automodel #3657), and makes the plain layout's collectives. Under TP every
 gradient all-reduce FSDP issues over the TP mesh in backward runs in fp32 (the reduce dtype);
 torch's own, unpatched, runs them in bf16 (pytorch #190626) unless its release fixes it. CPU
 stand-ins as in ``test_torchtitan.py``: SDPA for flex attention, a pre-hook for the router's CUDA
@@ -23,6 +24,8 @@ autocast where torchtitan's units run, SUM reductions for gloo.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +107,7 @@ def loss_of(model: nn.Module, tp: int, step: int = 0) -> torch.Tensor:
 def train(model: nn.Module, tp: int) -> dict[str, Any]:
     """One AdamW step: losses, whole gradients, gathered dtypes, collectives in backward."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with GatherProbe(model) as probe:
+    with GatherProbe(model) as probe, input_dtypes(model) as inputs:
         loss = loss_of(model, tp)
         with CollectiveRecorder() as recorder:
             loss.backward()  # type: ignore[no-untyped-call]
@@ -118,7 +121,34 @@ def train(model: nn.Module, tp: int) -> dict[str, Any]:
         "seen": {n: t.dtype for n, t in probe.seen.items()},
         "counts": (len(recorder.of("all_gather")), len(recorder.of("reduce_scatter"))),
         "tp_reduces": [c.dtype for c in recorder.of("all_reduce", functional=True)],
+        "inputs": inputs,
     }
+
+
+@contextlib.contextmanager
+def input_dtypes(model: nn.Module) -> Iterator[dict[str, set[torch.dtype]]]:
+    """The dtypes of the floating inputs each module holding parameters receives."""
+    seen: dict[str, set[torch.dtype]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    seen.setdefault(name, set()).add(value.dtype)
+
+        return hook
+
+    owners = [
+        (n, m)
+        for n, m in model.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+    handles = [m.register_forward_pre_hook(record(n), with_kwargs=True) for n, m in owners]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def check_mesh(flags: tuple[str, ...]) -> None:
@@ -135,6 +165,14 @@ def check_mesh(flags: tuple[str, ...]) -> None:
             plain = train(build(config, dims, "plain"), dims.tp)
     kept = gates(model)
     assert len(kept) == 2, kept
+    # no dtype leaks across units (NeMo Automodel #3657): only the kept gates see fp32 inputs;
+    # every other module (attention, norms, the experts on their own mesh, the head) bf16
+    gate_modules = {n.rsplit(".", 1)[0] for n in kept}
+    want = {n: {fp32 if n in gate_modules else bf16} for n in ours["inputs"]}
+    assert ours["inputs"] == want == ref["inputs"], ours["inputs"]
+    owners = {n.rsplit(".", 1)[0] for n in ours["seen"]}
+    assert owners - set(want) == {"tok_embeddings"}, want  # its input: token ids
+    assert all(plain["inputs"][n] == {bf16} for n in gate_modules), plain["inputs"]
     for layer in model.layers.values():  # under EP: one unit, two parameter groups
         meshes = {p.device_mesh.mesh_dim_names for p in layer.parameters()}
         assert len(meshes) == (2 if dims.ep > 1 else 1), meshes
