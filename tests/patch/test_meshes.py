@@ -12,7 +12,11 @@ compared bitwise (outputs, gradients, parameters over AdamW steps) with the sepa
 layout (each kept module its own fp32 unit), on FSDP x TP (2 x 2), HSDP x TP (2 x 1 x 2), with
 gradient accumulation and mixed storage, and for a per-parameter mesh (torchtitan's EP layout:
 the experts on their own FSDP mesh through ``ShardPlacementResult``, two parameter groups in one
-unit). ``reduce_dtype`` on the TP dim: every all-reduce of a gradient in backward is recorded
+unit; skipped on 2.11, whose units hold one group), for pipeline stages
+(``torch.distributed.pipelining``, GPipe on a pp 2 x dp 2 mesh, each stage its own units), and
+across meshes (a checkpoint saved on FSDP, loaded on FSDP x TP and back). Context parallelism
+cannot run on the CPU (its SDPA kernel has no sharding strategy): a case pins that.
+``reduce_dtype`` on the TP dim: every all-reduce of a gradient in backward is recorded
 (DTensor issues it through the functional collectives) and runs in the reduce dtype, and the
 reduced gradient is the fp32 sum of the bf16 partials; torch's own function (the patch removed)
 is the negative control: its all-reduce runs in bf16 (pytorch #190626) on releases without the
@@ -47,6 +51,7 @@ from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 from tests.support.harness import collect_cases, distributed_suite, unpatched
 from tests.support.models import (
     KEEP_IN_BLOCK,
+    Net,
     assert_same_grads,
     bf16,
     clones,
@@ -370,6 +375,92 @@ def case_checkpoint_saved_on_fsdp_loads_on_fsdp_x_tp() -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)
+
+
+def pipeline_stage(model: Net, stage: int, stages: int) -> Net:
+    """Stage ``stage`` of ``stages`` of a Net, as torchtitan splits a decoder: its share of the
+    blocks, the tail (norm, head) on the last stage only."""
+    per = len(model.blocks) // stages
+    model.blocks = model.blocks[stage * per : (stage + 1) * per]
+    if stage != stages - 1:
+        model.norm, model.head = nn.Identity(), nn.Identity()  # type: ignore[assignment]
+    return model
+
+
+def wrap_stage(model: Net, dp: DeviceMesh, separate: bool) -> Net:
+    """A stage's units: each block, the root (the tail's norm kept where the stage has it)."""
+    tail_norm = isinstance(model.norm, nn.LayerNorm)
+    for block in model.blocks:
+        if separate:
+            fully_shard(block.norm, mesh=dp, mp_policy=FP32_CHILD)
+            fully_shard(block.gate, mesh=dp, mp_policy=FP32_CHILD)
+        fully_shard(block, mesh=dp, mp_policy=STD if separate else mapped(KEEP_IN_BLOCK))
+    if separate and tail_norm:
+        fully_shard(model.norm, mesh=dp, mp_policy=FP32_CHILD)
+    root = mapped(("norm.weight", "norm.bias") if tail_norm else ())
+    fully_shard(model, mesh=dp, mp_policy=STD if separate else root)
+    return model
+
+
+def case_pipeline_stages_kept_in_unit_bitwise_separate_units() -> None:
+    """Pipeline parallelism (``torch.distributed.pipelining``, GPipe, 2 microbatches) over a
+    (pp 2, dp 2) mesh, each stage FSDP-sharded with its own units: kept in-unit == separate
+    fp32 units, losses and gradients bitwise over 3 AdamW steps, the kept parameters gathered
+    in fp32 on both stages."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    stage = pp.get_local_rank()
+    last = stage == pp.size() - 1
+    base = pipeline_stage(net(dim=DIM, depth=4), stage, pp.size())
+    ref, ours = wrap_stage(clones(base, 2)[0], dp, True), wrap_stage(clones(base, 2)[1], dp, False)
+    schedules = [
+        ScheduleGPipe(
+            PipelineStage(m, stage, pp.size(), torch.device("cpu"), group=pp.get_group()),
+            n_microbatches=2,
+            loss_fn=lambda y, target: loss_of(y),
+        )
+        for m in (ref, ours)
+    ]
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + dp.get_local_rank())
+        x, target = torch.randn(TOKENS, DIM, generator=g), torch.zeros(TOKENS, DIM)
+        losses: list[list[torch.Tensor]] = [[], []]
+        with GatherProbe(ours) as probe:
+            for schedule, out in zip(schedules, losses):
+                if last:
+                    schedule.step(target=target, losses=out)
+                else:
+                    schedule.step(x)
+        for name, seen in probe.seen.items():
+            kept = name.endswith(KEEP_IN_BLOCK) or name.startswith("norm.")
+            assert seen.dtype == (fp32 if kept else bf16), (name, seen.dtype)
+        assert any(n.endswith("gate.weight") for n in probe.seen), probe.seen
+        if last:
+            assert len(losses[0]) == 2 and all(
+                torch.equal(a, b) for a, b in zip(*losses, strict=True)
+            ), losses
+        assert_same_grads(ref, ours)
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+
+
+def case_context_parallel_cannot_run_on_cpu() -> None:
+    """Why no CP case runs here: torch's ``context_parallel`` shards SDPA's sequence, and the
+    CPU's SDPA kernel has no sharding strategy (CUDA's flash and efficient kernels have). If
+    this starts working, add the CP case (docs/parallelisms.md)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental import context_parallel
+
+    cp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    x, qkv = torch.randn(1, 8, DIM), nn.Linear(DIM, 3 * DIM)
+    with context_parallel(cp, buffers=[x], buffer_seq_dims=[1]):
+        q, k, v = (t.unflatten(-1, (2, DIM // 2)).transpose(1, 2) for t in qkv(x).chunk(3, -1))
+        with pytest.raises(NotImplementedError, match=r"flash_attention_for_cpu"):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 CASES = collect_cases(globals())
