@@ -121,6 +121,7 @@ def train(model: nn.Module, tp: int) -> dict[str, Any]:
         "seen": {n: t.dtype for n, t in probe.seen.items()},
         "counts": (len(recorder.of("all_gather")), len(recorder.of("reduce_scatter"))),
         "tp_reduces": [c.dtype for c in recorder.of("all_reduce", functional=True)],
+        "scatters": [(c.dtype, c.group_size) for c in recorder.of("reduce_scatter")],
         "inputs": inputs,
     }
 
@@ -189,6 +190,11 @@ def check_mesh(flags: tuple[str, ...]) -> None:
     assert ours["counts"] == plain["counts"], (ours["counts"], plain["counts"])
     n = len(kept)
     assert ref["counts"][1] == ours["counts"][1] + n, (ref["counts"], ours["counts"])
+    # every gradient reduce-scatter in fp32, the experts' on their own (efsdp) group under EP
+    # (VeOmni #1199: expert gradients stay fp32 through the EP layout's reduction)
+    assert {dtype for dtype, _ in ours["scatters"]} == {fp32}, ours["scatters"]
+    sizes = {size for _, size in ours["scatters"]}
+    assert len(sizes) == (2 if dims.ep > 1 and dims.tp == 1 else 1), sizes
     if dims.tp > 1:  # every gradient all-reduce over the TP mesh in the reduce dtype
         assert ours["tp_reduces"] and set(ours["tp_reduces"]) == {fp32}, ours["tp_reduces"]
         assert set(ref["tp_reduces"]) == {fp32}, ref["tp_reduces"]
