@@ -56,6 +56,7 @@ from fsdp_precision._patch import (
 )
 from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
+from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.model_policy import model_policy
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
@@ -78,6 +79,7 @@ __all__ = [
     "DistributedConfig",
     "FsdpPrecisionError",
     "Glob",
+    "Meshes",
     "ModuleCast",
     "ModuleClass",
     "ParamDtypeMapError",

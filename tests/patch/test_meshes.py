@@ -44,7 +44,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from fsdp_precision import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision import (
+    Glob,
+    Meshes,
+    ParamDtypeMixedPrecisionPolicy,
+    PrecisionPlan,
+    PrecisionRules,
+    compile_param_dtype_maps,
+)
 from fsdp_precision._releases import release_module
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
@@ -85,6 +92,31 @@ def tensor_parallel(model: nn.Module, tp: DeviceMesh) -> nn.Module:
         parallelize_module(block, tp, BLOCK_PLAN)
     parallelize_module(model, tp, TAIL_PLAN)
     return model
+
+
+#: The layouts above as a model declares them (transformers' ``tp_plan``/``pp_plan`` form),
+#: for the plan's mesh costs.
+DECLARED_TP_PLAN = {
+    "blocks.*.norm": "sequence_parallel",
+    "blocks.*.gate": "sequence_parallel",
+    "blocks.*.up": "colwise",
+    "blocks.*.down": "rowwise",
+    "norm": "sequence_parallel",
+    "head": "colwise",
+}
+
+
+def planned_on(*, dp: int, depth: int = 2) -> PrecisionPlan:
+    """The in-unit plan of a fresh Net (blocks, then the root) at FSDP degree ``dp``, the
+    model declaring the TP plan above and ``blocks`` as its pipeline's module list."""
+    model = net(dim=DIM, depth=depth)
+    model.tp_plan, model.pp_plan = DECLARED_TP_PLAN, {"blocks": None}
+    model.ep_plan = {"blocks.*.up": "grouped_gemm", "blocks.*.down": "grouped_gemm"}
+    rules = PrecisionRules(
+        rules=(Glob("*norm.weight"), Glob("*norm.bias"), Glob("*gate.weight")), advice="off"
+    )
+    units = [*model.blocks, model]
+    return compile_param_dtype_maps(model, rules, units, world_size=dp)
 
 
 def mapped(keys: tuple[str, ...], param_dtype: torch.dtype | None = bf16) -> MixedPrecisionPolicy:
@@ -228,6 +260,14 @@ def case_fsdp_x_tp_kept_in_unit_bitwise_separate_units() -> None:
     with CollectiveRecorder() as rec_ours:
         loss_of(ours(tp_inputs(tp)(9))).backward()
     assert rec_ours.count("all_gather") == 5 and rec_ours.count("reduce_scatter") == 3
+    # The plan predicts them, from the model's declared TP plan: counts and bytes per rank.
+    [stage] = planned_on(dp=dp.size()).mesh_totals(Meshes(tp=2))["stages"]
+    gathers, reduces = rec_ours.of("all_gather"), rec_ours.of("all_reduce", functional=True)
+    assert stage["all_gathers_per_step"] == len(gathers), stage
+    assert stage["reduce_scatters_per_step"] == rec_ours.count("reduce_scatter"), stage
+    assert stage["all_gather_bytes_per_step"] == sum(c.output_bytes for c in gathers), stage
+    assert stage["tp_all_reduces_per_step"] == len(reduces), stage
+    assert stage["tp_all_reduce_bytes_per_step"] == sum(c.input_bytes for c in reduces), stage
 
 
 def case_hsdp_x_tp_kept_in_unit_bitwise_separate_units() -> None:
@@ -319,6 +359,15 @@ def case_per_parameter_mesh_kept_in_unit_bitwise_separate_units() -> None:
         assert seen.dtype == (fp32 if kept else bf16), (name, seen.dtype)
     experts = dict(ours.named_parameters())["blocks.0.up.weight"]
     assert isinstance(experts, DTensor) and experts.device_mesh.size() == 2
+    # The plan predicts the two groups' collectives from the model's declared EP plan (the
+    # experts here are whole on each EP rank, so their bytes are not the plan's 1/ep).
+    with CollectiveRecorder() as rec:
+        loss_of(ours(tp_inputs_flat(9))).backward()
+    [stage] = planned_on(dp=4).mesh_totals(Meshes(ep=2))["stages"]
+    assert stage["all_gathers_per_step"] == rec.count("all_gather") == 9, stage
+    assert stage["reduce_scatters_per_step"] == rec.count("reduce_scatter") == 5, stage
+    sizes = sorted(c.group_size for c in rec.of("reduce_scatter"))
+    assert sizes == [2, 2, 4, 4, 4], sizes  # the experts' on efsdp (dp * tp / ep = 2)
 
 
 def tp_inputs_flat(step: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tests.support import ROOT
 SURFACE = {
     "fsdp_precision": [
         "MAPPABLE_DTYPES", "PRESETS", "SUPPORTED_RELEASES", "DistributedConfig",
-        "FsdpPrecisionError", "Glob", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
+        "FsdpPrecisionError", "Glob", "Meshes", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
         "PolicyNotAppliedError",
         "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "UnitUsageError", "UnsupportedTorchError",

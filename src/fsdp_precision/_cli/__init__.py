@@ -144,7 +144,17 @@ def _parser() -> argparse.ArgumentParser:
         "with separate fp32 child units.",
     )
     plan.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
-    plan.add_argument("--world-size", type=int, default=8, help="ranks to shard over (default: 8)")
+    plan.add_argument(
+        "--world-size", type=int, default=8, help="ranks FSDP shards over (default: 8)"
+    )
+    for flag, what in (("--tp", "tensor"), ("--ep", "expert"), ("--pp", "pipeline")):
+        plan.add_argument(
+            flag,
+            type=int,
+            default=1,
+            help=f"{what}-parallel degree beside FSDP, laid out from the model's own "
+            f"{flag[2:]}_plan: per-stage collectives and bytes per rank (default: 1)",
+        )
     _add_precision(plan, ("bf16", "fp16", "fp32"))
     plan.add_argument(
         "--min-params",
@@ -254,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 PlanOptions(
                     model=args.model,
                     world_size=args.world_size,
+                    tp=args.tp,
+                    ep=args.ep,
+                    pp=args.pp,
                     precision=args.precision,
                     min_params=args.min_params,
                     rules=tuple(args.keep),

@@ -15,6 +15,7 @@ from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, 
 from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
+from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.usage import default_inputs
@@ -29,6 +30,9 @@ __all__ = ["PlanOptions", "run_plan"]
 class PlanOptions:
     model: str
     world_size: int = 8
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
     precision: str = "bf16"
     min_params: int = 10_000_000
     rules: tuple[str, ...] = ()
@@ -42,6 +46,9 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {self.world_size}")
+        for flag in ("tp", "ep", "pp"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
         if self.min_params < 0:
             raise ValueError(f"--min-params must be >= 0, got {self.min_params}")
         if self.units not in UNITS:
@@ -168,20 +175,26 @@ def run_plan(opts: PlanOptions) -> int:
     model = load_model(opts.model)
     inputs = _inputs(opts.model, model)
     plan = _plan(model, opts, opts.world_size, inputs, _advice(opts, model, inputs))
+    meshes = Meshes(tp=opts.tp, ep=opts.ep, pp=opts.pp)
+    meshes_or_none = None if meshes.trivial else meshes
+    if meshes_or_none is not None:
+        plan.mesh_totals(meshes)  # refused before anything prints: ValueError names the fix
     memory = memory_per_rank(plan)
     trace, how = _trace(opts)
     if opts.as_json:
-        data: dict[str, Any] = plan.to_dict()
+        data: dict[str, Any] = plan.to_dict(meshes=meshes_or_none)
         data["memory_per_rank_bytes"] = memory
         data["units_layout"] = opts.units
         data["first_forward"] = {"how": how, **(asdict(trace) if trace else {})}
         print(json.dumps(data, indent=2))
         return 0
-    print(plan.explain())
+    print(plan.explain(meshes=meshes_or_none))
     gib = 1024**3
     total = sum(memory.values())
     print(
-        f"\nmemory per rank at world size {opts.world_size} (AdamW, before activations): "
+        f"\nmemory per rank at world size {opts.world_size} (AdamW, before activations"
+        + ("; FSDP's shards alone, TP/EP/PP not divided in" if meshes_or_none else "")
+        + "): "
         + ", ".join(f"{k} {v / gib:,.2f} GiB" for k, v in memory.items())
         + f"; total {total / gib:,.2f} GiB"
     )

@@ -19,7 +19,9 @@ from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan import cost, preflight, report
+from fsdp_precision._plan import meshes as meshes_mod
 from fsdp_precision._plan.advice import PrecisionAdvice, advise
+from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
 from fsdp_precision._plan.replicated import average_gradients
 from fsdp_precision._plan.rules import PrecisionRules
@@ -192,17 +194,27 @@ class PrecisionPlan:
         """The same model under a uniform policy and under separate units."""
         return report.alternatives(self)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form of the plan (``json.dumps(plan.to_dict())``)."""
-        return report.to_dict(self)
+    def mesh_totals(self, meshes: Meshes) -> dict[str, Any]:
+        """Per pipeline stage, per rank and step, with tensor, expert and pipeline parallelism
+        beside FSDP (``world_size`` its degree), laid out from the model's own declared plans:
+        units, all-gathers, reduce-scatters, bytes all-gathered, and the TP gradient
+        all-reduces with their bytes in the reduce and in the compute dtype. ``ValueError``
+        where the model declares no plan for a degree above 1."""
+        return meshes_mod.mesh_totals(self, meshes)
 
-    def to_json(self, **kwargs: Any) -> str:
-        """``json.dumps(self.to_dict(), **kwargs)``."""
-        return json.dumps(self.to_dict(), **kwargs)
+    def to_dict(self, *, meshes: Meshes | None = None) -> dict[str, Any]:
+        """JSON-ready form of the plan (``json.dumps(plan.to_dict())``); with ``meshes``, their
+        :meth:`mesh_totals` under ``"meshes"``."""
+        return report.to_dict(self, meshes=meshes)
 
-    def explain(self, *, max_params: int = 12) -> str:
-        """A human table: per unit, who claimed what, bytes per all-gather, collectives."""
-        return report.explain(self, max_params=max_params)
+    def to_json(self, *, meshes: Meshes | None = None, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict(meshes=meshes), **kwargs)``."""
+        return json.dumps(self.to_dict(meshes=meshes), **kwargs)
+
+    def explain(self, *, max_params: int = 12, meshes: Meshes | None = None) -> str:
+        """A human table: per unit, who claimed what, bytes per all-gather, collectives; with
+        ``meshes`` (TP, EP, PP beside FSDP), per stage and rank (:meth:`mesh_totals`)."""
+        return report.explain(self, max_params=max_params, meshes=meshes)
 
 
 def _policy_uncast(unit: PlannedUnit) -> bool:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_precision._base.dtypes import dtype_name, optional_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan import cost
+from fsdp_precision._plan.meshes import Meshes, mesh_lines, mesh_totals
 from fsdp_precision._plan.records import PlannedUnit, RuleClaims
 from fsdp_precision._plan.rules import rule_label
 from fsdp_precision._plan.separate import separate_units_plan
@@ -107,8 +108,8 @@ def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
     }
 
 
-def to_dict(plan: PrecisionPlan) -> dict[str, Any]:
-    """JSON-ready form of the plan."""
+def to_dict(plan: PrecisionPlan, *, meshes: Meshes | None = None) -> dict[str, Any]:
+    """JSON-ready form of the plan; with ``meshes``, their totals under ``"meshes"``."""
     return {
         "model": type(plan.model).__name__,
         "rules": plan.rules.describe(),
@@ -138,12 +139,14 @@ def to_dict(plan: PrecisionPlan) -> dict[str, Any]:
         "parameter_uses": plan.unit_choice.traced if plan.unit_choice else None,
         "advice": plan.advice.to_dict() if plan.advice is not None else None,
         "totals": plan.totals(),
+        "meshes": mesh_totals(plan, meshes) if meshes is not None else None,
         "alternatives": plan.alternatives(),
     }
 
 
-def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
-    """Per unit, who claimed what, bytes per all-gather, collectives; then the rules."""
+def explain(plan: PrecisionPlan, *, max_params: int = 12, meshes: Meshes | None = None) -> str:
+    """Per unit, who claimed what, bytes per all-gather, collectives; then the rules; with
+    ``meshes``, per pipeline stage and rank beside FSDP."""
     lines = [
         f"precision plan for {type(plan.model).__name__} ({plan.rules.describe()})",
         f"world size {plan.world_size} (bytes include FSDP's dim-0 padding)",
@@ -215,6 +218,8 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12) -> str:
         if separate["units"] is not None
         else f"  separate units:       not possible: {separate['note']}",
     ]
+    if meshes is not None and not meshes.trivial:
+        lines += ["", *mesh_lines(plan, meshes)]
     if plan.advice is not None:
         lines += ["", plan.advice.explain()]
     return "\n".join(lines)
