@@ -16,7 +16,8 @@ dtypes in the unit's reduce dtype. Release traits: ``reduces_partial_grads`` (2.
 autograd produce such gradients in their reduce dtype itself, ``may_reduce_grad_outside_dp``, so
 there this function is not replaced) and ``spmd_meshes`` (2.12: the target placements are
 ``_unsharded_dtensor_spec``'s, and on a full SPMD mesh the DP dims stay ``Partial`` for the
-reduce-scatter; 2.11: ``_tp_spec``'s).
+reduce-scatter; 2.11: ``_tp_spec``'s). Not covered: torch 2.14's ``spmd_types`` path, which
+hands FSDP a plain local gradient (no ``Partial`` placement to see).
 """
 
 from __future__ import annotations
