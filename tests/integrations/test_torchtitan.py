@@ -464,15 +464,23 @@ def test_example_resumes_with_torchtitans_checkpointer_in_a_fresh_launch_bitwise
     resumed = launch("--dir", str(run), "--out", str(tmp_path / "resumed.pt"))
     assert "(started after step 2)" in resumed and "reloaded with the trained logits" in resumed
     assert all((checkpoints / f"step-{n}" / ".metadata").is_file() for n in (3, 4))
-    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    ref = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
+    got = assert_same_final_state(tmp_path / "resumed.pt", tmp_path / "uninterrupted.pt")
+    assert got["lr"] == {"last_epoch": 4}, got["lr"]
+    assert any(n.endswith(".exp_avg_sq") for n in got["optim"])
+    assert got["params"]["layers.0.moe.router.gate.weight"].dtype == fp32
+
+
+def assert_same_final_state(path: Path, reference: Path) -> dict[str, Any]:
+    """The example's ``--out`` files equal: losses (4 steps), LR scheduler state, parameters
+    and optimizer state, bitwise. Returns the first."""
+    got = torch.load(path, weights_only=True)
+    ref = torch.load(reference, weights_only=True)
     assert got["losses"] == ref["losses"] and len(ref["losses"]) == 4, (got, ref)
-    assert got["lr"] == ref["lr"] == {"last_epoch": 4}, (got["lr"], ref["lr"])
+    assert got["lr"] == ref["lr"], (got["lr"], ref["lr"])
     for key in ("params", "optim"):
         assert got[key].keys() == ref[key].keys() and got[key], key
         for name, value in got[key].items():
             other = ref[key][name]
             same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
             assert same, (key, name)
-    assert any(n.endswith(".exp_avg_sq") for n in got["optim"])
-    assert got["params"]["layers.0.moe.router.gate.weight"].dtype == fp32
+    return got

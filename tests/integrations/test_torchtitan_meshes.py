@@ -41,6 +41,7 @@ from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 from tests.integrations.test_torchtitan import (
     SEQ,
     VOCAB,
+    assert_same_final_state,
     cast_router_inputs,
     gates,
     recipe,
@@ -237,14 +238,6 @@ def test_example_at_tp2_ep2_resumes_bitwise_in_a_fresh_launch(tmp_path: Path) ->
     resumed = run_example(recipe.__file__, "--dir", tmp_path / "cut", "--out",
                           tmp_path / "resumed.pt", *degrees, nproc=4)  # fmt: skip
     assert "(started after step 2)" in resumed and "reloaded with the trained logits" in resumed
-    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    ref = torch.load(tmp_path / "whole.pt", weights_only=True)
-    assert got["losses"] == ref["losses"] and len(ref["losses"]) == 4, (got, ref)
-    for key in ("params", "optim"):
-        assert got[key].keys() == ref[key].keys() and got[key], key
-        for name, value in got[key].items():
-            other = ref[key][name]
-            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
-            assert same, (key, name)
+    got = assert_same_final_state(tmp_path / "resumed.pt", tmp_path / "whole.pt")
     assert got["params"]["layers.0.moe.router.gate.weight"].dtype == fp32
     assert got["params"]["layers.0.moe.routed_experts.inner_experts.w1_EFD"].dtype == fp32

@@ -57,7 +57,9 @@ from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support.harness import collect_cases, distributed_suite, unpatched
 from tests.support.models import (
+    FP32_CHILD,
     KEEP_IN_BLOCK,
+    STD,
     Net,
     assert_same_grads,
     bf16,
@@ -68,8 +70,6 @@ from tests.support.models import (
     train_in_lockstep,
 )
 
-STD = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-FP32_CHILD = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)
 TOKENS, DIM = 8, 16  # a batch flattened to tokens, sharded on dim 0 (the sequence) under TP
 
 #: torchtitan's decoder layout, per block and for the tail.

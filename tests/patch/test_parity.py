@@ -15,7 +15,9 @@ from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
 from tests.support.harness import collect_cases, distributed_suite, unpatched
 from tests.support.models import (
+    FP32_CHILD,
     KEEP_IN_BLOCK,
+    STD,
     assert_same_grads,
     bf16,
     clones,
@@ -26,9 +28,6 @@ from tests.support.models import (
     net,
     train_in_lockstep,
 )
-
-STD = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-FP32_CHILD = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)
 
 
 def mapped(keys: tuple[str, ...], param_dtype=bf16, reduce_dtype=fp32, dtype=fp32):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -43,6 +44,10 @@ class Net(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
+
+#: The plain bf16 policy, and a kept module's own fp32 unit (the separate-units layout).
+STD = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP32_CHILD = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 #: FQNs, relative to a Block, that models keep in fp32 (norm and router).
 KEEP_IN_BLOCK = ("norm.weight", "norm.bias", "gate.weight")
