@@ -21,6 +21,7 @@ pytestmark = pytest.mark.fast
 
 
 def qwen3_moe_plan(world_size: int = 4, layers: int = 4) -> fp.PrecisionPlan:
+    pytest.importorskip("transformers", reason="the declared plans are a transformers model's")
     with torch.device("meta"):
         model = tiny_qwen3_moe(num_hidden_layers=layers)
     rules = fp.PrecisionRules(rules=(fp.Glob("*mlp.gate.weight"),), advice="off")
@@ -133,6 +134,7 @@ def test_cli_plan_prints_and_writes_the_mesh_costs(capsys: pytest.CaptureFixture
     """``plan hf:qwen3_moe --tp 2 --ep 4 --pp 4`` at full size on meta (24 layers): a line per
     stage, 6 layers each (their q_norm and k_norm: 12 TP all-reduces); the JSON carries the
     same totals; a degree the model cannot take is one line, exit 2."""
+    pytest.importorskip("transformers", reason="hf:qwen3_moe is a transformers model")
     args = ["plan", "hf:qwen3_moe", "--no-trace", "--advice", "off", "--world-size", "8"]
     assert main([*args, "--tp", "2", "--ep", "4", "--pp", "4"]) == 0
     out = capsys.readouterr().out
