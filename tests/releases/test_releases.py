@@ -102,8 +102,9 @@ def test_every_release_module_hashes_every_target(module: object) -> None:
 # How many functions each release hashes: the targets computed from the traits must stay those
 # the release modules were generated with (2.11 also hashes its compiled-autograd switch; 2.15
 # hashes its native override, its mixed-dtype reduction, what its two replacements rely on, and
-# the pre-backward call that defers the gradient upcast).
-HASHED = {"2.11": 30, "2.12": 29, "2.13": 29, "2.14": 29, "2.15": 34}
+# the pre-backward call that defers the gradient upcast; 2.11-2.14 hash the partial-gradient
+# function they replace, which 2.15 fixed itself).
+HASHED = {"2.11": 31, "2.12": 30, "2.13": 30, "2.14": 30, "2.15": 34}
 
 
 @pytest.mark.parametrize("module", RELEASE_MODULES, ids=lambda m: m.TORCH_RELEASE)
@@ -127,18 +128,20 @@ def test_targets_follow_the_traits(module: object) -> None:
     assert (reduce_index < 4) == (not traits.mixed_dtype_reduce)
     deferred = any(t.endswith(":FSDPParamGroup.pre_backward") for t in hashed)
     assert deferred == traits.defers_grad_upcast
+    partial = any(t.endswith(":FSDPParam._get_grad_inner_tensor") for t in hashed)
+    assert partial == (not traits.reduces_partial_grads)
 
 
 # Every trait of every release, as docs/how-it-works.md tables them (the release modules name
 # only where they differ from the defaults, so a changed default shows here).
 TRAIT_TABLE = {
     # groups list, requires_grad, clamp, compiled, results, native, patches, mixed reduce, defers,
-    # keeps grad_dtype
-    "2.11": (False, False, False, True, 6, False, True, False, False, False),
-    "2.12": (True, True, True, False, 6, False, True, False, False, False),
-    "2.13": (True, True, True, False, 7, False, True, False, False, False),
-    "2.14": (True, True, True, False, 7, False, True, False, False, False),
-    "2.15": (True, True, True, False, 7, True, True, True, True, True),
+    # keeps grad_dtype, reduces partial grads, spmd meshes
+    "2.11": (False, False, False, True, 6, False, True, False, False, False, False, False),
+    "2.12": (True, True, True, False, 6, False, True, False, False, False, False, True),
+    "2.13": (True, True, True, False, 7, False, True, False, False, False, False, True),
+    "2.14": (True, True, True, False, 7, False, True, False, False, False, False, True),
+    "2.15": (True, True, True, False, 7, True, True, True, True, True, True, True),
 }
 
 
