@@ -370,6 +370,46 @@ def case_per_parameter_mesh_kept_in_unit_bitwise_separate_units() -> None:
     assert sizes == [2, 2, 4, 4, 4], sizes  # the experts' on efsdp (dp * tp / ep = 2)
 
 
+def case_per_parameter_mesh_accumulation_without_sync_with_mixed_storage() -> None:
+    """torchtitan's EP layout with bf16 storage, the kept norms and gates stored in fp32, and 3
+    microbatches without sync: both parameter groups of each block reduce once, bitwise the
+    separate units, every gradient in its parameter's dtype (VeOmni #1199, NeMo #3540)."""
+    if not release_module().TRAITS.param_group_list:
+        pytest.skip(
+            "torch 2.11's FSDP holds one parameter group per unit (no ShardPlacementResult)"
+        )
+    base = net(dim=DIM)
+    base.to(bf16)
+    for block in base.blocks:
+        block.norm.float()
+        block.gate.float()
+    base.norm.float()
+    ref, ours = clones(base, 2)
+    storage = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)
+    layout = experts_on_their_own_mesh(ref)
+    for block in ref.blocks:
+        fully_shard(block.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+        fully_shard(block.gate, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+        fully_shard(block, mp_policy=storage, **layout)
+    fully_shard(ref.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+    fully_shard(ref, mesh=layout["mesh"], mp_policy=storage)
+    layout = experts_on_their_own_mesh(ours)
+    for block in ours.blocks:
+        fully_shard(block, mp_policy=mapped(KEEP_IN_BLOCK, None), **layout)
+    fully_shard(ours, mesh=layout["mesh"], mp_policy=mapped(("norm.weight", "norm.bias"), None))
+    with CollectiveRecorder() as rec:
+        for micro in range(3):
+            for model in (ref, ours):
+                model.set_requires_gradient_sync(micro == 2)
+                loss_of(model(tp_inputs_flat(micro).to(bf16))).backward()
+    assert_same_grads(ref, ours)
+    assert {c.dtype for c in rec.of("reduce_scatter")} == {fp32}, rec.of("reduce_scatter")
+    for name, param in ours.named_parameters():
+        kept = name.endswith(KEEP_IN_BLOCK) or name.startswith("norm.")
+        assert param.dtype == (fp32 if kept else bf16), (name, param.dtype)
+        assert param.grad is not None and param.grad.dtype == param.dtype, name
+
+
 def tp_inputs_flat(step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(TOKENS, DIM, generator=g)
