@@ -44,7 +44,7 @@ from fsdp_precision.checkpoint import (
 
 from tests.patch.test_parity import wrap_mapped
 from tests.support.harness import check, run_cases
-from tests.support.models import bf16, fp32, inputs, loss_of, net
+from tests.support.models import bf16, fp32, inputs, loss_of, mixed_storage_net, net
 
 #: Test-only: where the saving group writes and the loading groups read. Never read by the library.
 CKPT_ROOT_ENV = "FSDP_PRECISION_TEST_CKPT_ROOT"
@@ -60,13 +60,7 @@ STORAGE_DTYPES = {bf16, fp32}
 
 def mixed(seed: int = 0) -> nn.Module:
     """Stored in bf16, with norms and routers stored in fp32 inside the same units."""
-    model = net(seed)
-    model.to(bf16)
-    for block in model.blocks:
-        block.norm.float()
-        block.gate.float()
-    model.norm.float()
-    return model
+    return mixed_storage_net(seed=seed)
 
 
 def wrap(model: nn.Module, mesh: Any = None) -> nn.Module:

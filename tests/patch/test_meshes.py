@@ -66,6 +66,7 @@ from tests.support.models import (
     clones,
     fp32,
     loss_of,
+    mixed_storage_net,
     net,
     train_in_lockstep,
 )
@@ -285,12 +286,7 @@ def case_hsdp_x_tp_kept_in_unit_bitwise_separate_units() -> None:
 
 def case_tp_accumulation_without_sync_with_mixed_storage() -> None:
     """bf16 storage, kept parameters stored in fp32, 3 microbatches without sync: bitwise."""
-    base = net(dim=DIM)
-    base.to(bf16)
-    for block in base.blocks:
-        block.norm.float()
-        block.gate.float()
-    base.norm.float()
+    base = mixed_storage_net(dim=DIM)
     dp, tp = fsdp_tp()
     ref, ours = (tensor_parallel(m, tp) for m in clones(base, 2))
     wrap_separate(ref, dp, policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32))
@@ -332,6 +328,27 @@ def experts_on_their_own_mesh(model: nn.Module) -> dict[str, object]:
     return {"mesh": dp, "shard_placement_fn": placement}
 
 
+def ep_layouts(
+    ref: Net, ours: Net, policy: MixedPrecisionPolicy, param_dtype: torch.dtype | None
+) -> tuple[Net, Net]:
+    """``ref`` in separate fp32 units, ``ours`` with the kept parameters in-unit, both in the
+    EP layout (two parameter groups per block unit)."""
+    layout = experts_on_their_own_mesh(ref)
+    for block in ref.blocks:
+        fully_shard(block.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+        fully_shard(block.gate, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+        fully_shard(block, mp_policy=policy, **layout)
+    fully_shard(ref.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
+    fully_shard(ref, mesh=layout["mesh"], mp_policy=policy)
+    layout = experts_on_their_own_mesh(ours)
+    for block in ours.blocks:
+        fully_shard(block, mp_policy=mapped(KEEP_IN_BLOCK, param_dtype), **layout)
+        assert len(block._get_fsdp_state()._fsdp_param_groups) == 2  # fsdp and efsdp
+    tail = mapped(("norm.weight", "norm.bias"), param_dtype)
+    fully_shard(ours, mesh=layout["mesh"], mp_policy=tail)
+    return ref, ours
+
+
 def case_per_parameter_mesh_kept_in_unit_bitwise_separate_units() -> None:
     """torchtitan's EP layout: the block unit holds two parameter groups (experts on efsdp,
     the rest on fsdp); norms and gates kept in-unit == separate fp32 units, over 3 steps."""
@@ -339,19 +356,7 @@ def case_per_parameter_mesh_kept_in_unit_bitwise_separate_units() -> None:
         pytest.skip(
             "torch 2.11's FSDP holds one parameter group per unit (no ShardPlacementResult)"
         )
-    ref, ours = clones(net(dim=DIM), 2)
-    layout = experts_on_their_own_mesh(ref)
-    for block in ref.blocks:
-        fully_shard(block.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-        fully_shard(block.gate, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-        fully_shard(block, mp_policy=STD, **layout)
-    fully_shard(ref.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-    fully_shard(ref, mesh=layout["mesh"], mp_policy=STD)
-    layout = experts_on_their_own_mesh(ours)
-    for block in ours.blocks:
-        fully_shard(block, mp_policy=mapped(KEEP_IN_BLOCK), **layout)
-        assert len(block._get_fsdp_state()._fsdp_param_groups) == 2  # fsdp and efsdp
-    fully_shard(ours, mesh=layout["mesh"], mp_policy=mapped(("norm.weight", "norm.bias")))
+    ref, ours = ep_layouts(*clones(net(dim=DIM), 2), STD, bf16)
     with GatherProbe(ours) as probe:
         train_in_lockstep([ref, ours], steps=3, make_input=lambda s: tp_inputs_flat(s))
     for name, seen in probe.seen.items():
@@ -378,25 +383,9 @@ def case_per_parameter_mesh_accumulation_without_sync_with_mixed_storage() -> No
         pytest.skip(
             "torch 2.11's FSDP holds one parameter group per unit (no ShardPlacementResult)"
         )
-    base = net(dim=DIM)
-    base.to(bf16)
-    for block in base.blocks:
-        block.norm.float()
-        block.gate.float()
-    base.norm.float()
-    ref, ours = clones(base, 2)
+    base = mixed_storage_net(dim=DIM)
     storage = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)
-    layout = experts_on_their_own_mesh(ref)
-    for block in ref.blocks:
-        fully_shard(block.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-        fully_shard(block.gate, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-        fully_shard(block, mp_policy=storage, **layout)
-    fully_shard(ref.norm, mesh=layout["mesh"], mp_policy=FP32_CHILD)
-    fully_shard(ref, mesh=layout["mesh"], mp_policy=storage)
-    layout = experts_on_their_own_mesh(ours)
-    for block in ours.blocks:
-        fully_shard(block, mp_policy=mapped(KEEP_IN_BLOCK, None), **layout)
-    fully_shard(ours, mesh=layout["mesh"], mp_policy=mapped(("norm.weight", "norm.bias"), None))
+    ref, ours = ep_layouts(*clones(base, 2), storage, None)
     with CollectiveRecorder() as rec:
         for micro in range(3):
             for model in (ref, ours):

@@ -25,6 +25,7 @@ from tests.support.models import (
     inputs,
     local,
     loss_of,
+    mixed_storage_net,
     net,
     train_in_lockstep,
 )
@@ -135,12 +136,7 @@ def case_map_matches_fp32_child_units() -> None:
 
 def case_mixed_storage_in_one_unit() -> None:
     """A bf16-stored model whose kept parameters are stored in fp32: no extra unit needed."""
-    base = net()
-    base.to(bf16)
-    for block in base.blocks:
-        block.norm.float()
-        block.gate.float()
-    base.norm.float()
+    base = mixed_storage_net()
     ref, ours = clones(base, 2)
     wrap_children(ref, policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32))
     wrap_mapped(ours, param_dtype=None)

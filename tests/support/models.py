@@ -58,6 +58,18 @@ def net(seed: int = 0, **kwargs: int) -> Net:
     return Net(**kwargs)
 
 
+def mixed_storage_net(**kwargs: int) -> Net:
+    """A Net stored in bf16 whose kept parameters (``KEEP_IN_BLOCK``, the tail norm) are stored
+    in fp32: mixed storage in one unit."""
+    model = net(**kwargs)
+    model.to(torch.bfloat16)
+    for block in model.blocks:
+        block.norm.float()
+        block.gate.float()
+    model.norm.float()
+    return model
+
+
 def clones(model: nn.Module, n: int) -> list[nn.Module]:
     return [copy.deepcopy(model) for _ in range(n)]
 
