@@ -19,7 +19,13 @@ from fsdp_precision import (
     compile_param_dtype_maps,
 )
 from fsdp_precision._releases import release_traits, v2_13, v2_15
-from fsdp_precision.testing import GatherProbe, ParityReport, gather_across_ranks, verify_parity
+from fsdp_precision.testing import (
+    CollectiveRecorder,
+    GatherProbe,
+    ParityReport,
+    gather_across_ranks,
+    verify_parity,
+)
 
 from tests.support.harness import collect_cases, distributed_suite
 
@@ -181,6 +187,26 @@ def case_reduce_dtype_none_is_planned_as_the_release_reduces() -> None:
         # gradients, which FSDP reduces unrounded, would be rounded to bf16.
         _, flipped = _grad_dtype_report(None, promotes=False)
         assert _off(flipped) == {"norm.weight", "scale"}, flipped.format()
+
+
+def case_recorder_reads_each_functional_collectives_group() -> None:
+    """DTensor's functional collectives, each with its group where its signature puts it (a
+    reduce-scatter's after the scatter dim): kind, dtype, bytes and group size recorded."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    x = torch.ones(4, 3, dtype=bf16)
+    with CollectiveRecorder() as rec:
+        funcol.all_gather_tensor(x, 0, group).wait()
+        funcol.reduce_scatter_tensor(x, "sum", 0, group).wait()
+        funcol.all_reduce(x.float(), "sum", group=group).wait()
+    calls = [(c.kind, c.dtype, c.input_bytes, c.group_size, c.functional) for c in rec.calls]
+    assert calls == [
+        ("all_gather", bf16, 24, 2, True),
+        ("reduce_scatter", bf16, 24, 2, True),
+        ("all_reduce", fp32, 48, 2, True),
+    ], calls
+    assert rec.of("all_gather") == [] and len(rec.of("all_gather", functional=True)) == 1
 
 
 CASES = collect_cases(globals())

@@ -27,11 +27,12 @@ _WRAPPED: dict[str, tuple[str, str]] = {
     "all_reduce": ("all_reduce", "tensor"),
 }
 
-# name in torch.distributed._functional_collectives -> kind (the input is the first argument)
-_FUNCTIONAL: dict[str, str] = {
-    "all_gather_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
+# name in torch.distributed._functional_collectives -> (kind, where ``group`` sits among the
+# positional arguments after the input tensor)
+_FUNCTIONAL: dict[str, tuple[str, int]] = {
+    "all_gather_tensor": ("all_gather", 1),  # (self, gather_dim, group)
+    "reduce_scatter_tensor": ("reduce_scatter", 2),  # (self, reduceOp, scatter_dim, group)
+    "all_reduce": ("all_reduce", 1),  # (self, reduceOp, group)
 }
 
 
@@ -90,11 +91,11 @@ class CollectiveRecorder:
 
         return wrapper
 
-    def _wrap_functional(self, name: str, kind: str) -> Callable[..., Any]:
+    def _wrap_functional(self, name: str, kind: str, at: int) -> Callable[..., Any]:
         original = getattr(funcol, name)
 
         def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            group = kwargs.get("group", args[at] if len(args) > at else None)
             nbytes = tensor.numel() * tensor.element_size()
             self.calls.append(Collective(kind, tensor.dtype, nbytes, _size(group), True))
             return original(tensor, *args, **kwargs)
@@ -106,9 +107,9 @@ class CollectiveRecorder:
             if hasattr(dist, name):
                 self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, kind, arg))
-        for name, kind in _FUNCTIONAL.items():
+        for name, (kind, at) in _FUNCTIONAL.items():
             self._saved["funcol." + name] = getattr(funcol, name)
-            setattr(funcol, name, self._wrap_functional(name, kind))
+            setattr(funcol, name, self._wrap_functional(name, kind, at))
         return self
 
     def __exit__(self, *exc: object) -> None:
