@@ -37,6 +37,7 @@ import logging
 import warnings
 from typing import Any
 
+from fsdp_precision._advise.advice import PrecisionAdvice, advise
 from fsdp_precision._base.dtypes import MAPPABLE_DTYPES
 from fsdp_precision._base.errors import (
     FsdpPrecisionError,
@@ -54,17 +55,16 @@ from fsdp_precision._patch import (
     is_param_dtype_map_patch_applied,
     remove_param_dtype_map_patch,
 )
-from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.model_policy import model_policy
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
-from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules
 from fsdp_precision._plan.units import auto_wrap_units, default_units
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases import SUPPORTED_RELEASES
+from fsdp_precision._rules.rules import Glob, ModuleClass, PrecisionRules
 from fsdp_precision._train.config import PRESETS, DistributedConfig
 from fsdp_precision._train.wrap import (
     make_grad_scaler,

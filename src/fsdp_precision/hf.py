@@ -21,7 +21,7 @@ from fsdp_precision._hf import cast as _cast
 from fsdp_precision._hf.cast import keep_in_fp32_declarations, kept_fqns, load_state_dict_aligned
 from fsdp_precision._hf.declarations import Declaration, library_of
 from fsdp_precision._plan.claims import claim_params, fqns_by_param
-from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._rules.rules import PrecisionRules
 
 __all__ = [
     "Declaration",

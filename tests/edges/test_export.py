@@ -394,3 +394,25 @@ def test_rules_and_policies_load_with_weights_only_and_the_allow_list(tmp_path: 
     assert type(loaded["policy"]) is ParamDtypeMixedPrecisionPolicy
     assert dict(loaded["policy"].param_dtype_map) == {"1.weight": fp32, "1.bias": fp32}
     assert set(loaded["policy"].module_casts) == {"1"}
+
+
+@pytest.mark.fast
+def test_rules_pickled_under_their_former_path_still_load(tmp_path: Path) -> None:
+    """``data/rules_0_1.pt`` was saved before the rules moved below the advisor (its pickle names
+    ``fsdp_precision._plan.rules``): it loads under ``weights_only=True`` with ``SAFE_GLOBALS``
+    and under a plain pickle, as the rules it held."""
+    import pickle
+
+    from fsdp_precision.checkpoint import SAFE_GLOBALS
+
+    old = Path(__file__).parent / "data" / "rules_0_1.pt"
+    expected = PrecisionRules(
+        param_dtype=bf16,
+        rules=(Glob("*.mlp.gate.weight"), Glob("*norm.weight", boundary="inputs")),
+        advice="off",
+    )
+    with pytest.raises(pickle.UnpicklingError, match=r"fsdp_precision\._plan\.rules"):
+        torch.load(old)  # the negative control: the old path is refused without the list
+    with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        assert torch.load(old)["rules"] == expected
+    assert torch.load(old, weights_only=False)["rules"] == expected

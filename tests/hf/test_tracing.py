@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from fsdp_precision._plan import usage
-from fsdp_precision._plan.usage import param_usage
+from fsdp_precision._advise import usage
+from fsdp_precision._advise.usage import param_usage
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 

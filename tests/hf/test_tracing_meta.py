@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed")
 
 from fsdp_precision import advise  # noqa: E402
+from fsdp_precision._advise import usage  # noqa: E402
 from fsdp_precision._cli.models import load_model  # noqa: E402
 from fsdp_precision._hf.tracing import traceable_meta  # noqa: E402
-from fsdp_precision._plan import usage  # noqa: E402
 
 #: A padding-mask shortcut (BART), a packed-sequence check (PaliGemma), both on the meta device.
 TYPES = ["bart", "paligemma"]

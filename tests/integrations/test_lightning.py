@@ -369,8 +369,8 @@ def case_trainer_checkpoint_with_the_policy_in_hparams_saves_and_resumes_bitwise
     # What the hparams read back as: the rules, and the policy as the plain policy record.
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(meta)
     assert sorted(unsafe) == [
-        "fsdp_precision._plan.rules.PrecisionRules",
         "fsdp_precision._policy.scope._plain_policy",
+        "fsdp_precision._rules.rules.PrecisionRules",
     ], unsafe
     with pytest.raises(pickle.UnpicklingError, match=r"Unsupported global: .*fsdp_precision"):
         torch.load(meta)  # Lightning's default: weights_only

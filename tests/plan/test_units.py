@@ -21,8 +21,8 @@ from fsdp_precision import (
     plan_model_for_training,
     wrap_model_for_training,
 )
+from fsdp_precision._advise.usage import ParamUsage, param_usage
 from fsdp_precision._plan.units import choose_units
-from fsdp_precision._plan.usage import ParamUsage, param_usage
 
 from tests.support.harness import collect_cases, distributed_suite
 

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from fsdp_precision._plan.rules import ADVICE_MODES, AdviceMode, Glob, ModuleClass, PrecisionRules
 from fsdp_precision._plan.units import accelerate_units, auto_wrap_units, default_units
 from fsdp_precision._policy.casts import BOUNDARIES, Boundary
+from fsdp_precision._rules.rules import ADVICE_MODES, AdviceMode, Glob, ModuleClass, PrecisionRules
 from fsdp_precision._train.config import PRESETS
 
 __all__ = ["BOUNDARY_NAMES", "DTYPES", "UNITS", "parse_keep", "precision_rules", "units_of"]

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_precision._advise.advice import PrecisionAdvice, advise
+from fsdp_precision._advise.usage import default_inputs
 from fsdp_precision._cli.hf_inputs import adds_to
 from fsdp_precision._cli.models import is_hf_spec, load_model, load_tiny_model, one_line
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
-from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
 from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.plan import PrecisionPlan
-from fsdp_precision._plan.rules import PrecisionRules
-from fsdp_precision._plan.usage import default_inputs
+from fsdp_precision._rules.rules import PrecisionRules
 from fsdp_precision._train.config import DistributedConfig
 from fsdp_precision._train.wrap import plan_model_for_training
 from fsdp_precision._verify.trace import DtypeTrace, trace_compute_dtypes

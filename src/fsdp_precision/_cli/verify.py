@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_precision._advise.advice import PrecisionAdvice
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
 from fsdp_precision._cli.diffusers_models import inputs_source as diffusers_inputs
@@ -25,7 +26,6 @@ from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
 from fsdp_precision._hf.declarations import library_of
 from fsdp_precision._patch import apply_param_dtype_map_patch
-from fsdp_precision._plan.advice import PrecisionAdvice
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._verify.parity import verify_parity

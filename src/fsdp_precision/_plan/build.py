@@ -21,12 +21,12 @@ from fsdp_precision._plan.casts import activation_dtype, local_casts, module_cas
 from fsdp_precision._plan.claims import Claimed, fqns_by_param
 from fsdp_precision._plan.quantized import gather_format
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
-from fsdp_precision._plan.rules import PrecisionRules, rule_label
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import accepted
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 from fsdp_precision._releases import release_traits
+from fsdp_precision._rules.rules import PrecisionRules, rule_label
 
 __all__ = ["UnitSpec", "build_units"]
 

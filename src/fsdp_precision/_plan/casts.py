@@ -23,9 +23,9 @@ import torch.nn as nn
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.boundaries import returns_activations
 from fsdp_precision._plan.claims import Claimed
-from fsdp_precision._plan.rules import DeclaredRule, rule_label
 from fsdp_precision._plan.units import CONTAINERS
 from fsdp_precision._policy.casts import Boundary, ModuleCast, cast_for
+from fsdp_precision._rules.rules import DeclaredRule, rule_label
 
 __all__ = ["activation_dtype", "local_casts", "module_casts"]
 

@@ -17,14 +17,14 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._plan.quantized import packed_storage_rules
 from fsdp_precision._plan.records import RuleClaims
-from fsdp_precision._plan.rules import (
+from fsdp_precision._policy.resolve import own_format_message
+from fsdp_precision._rules.rules import (
     AdvisedRule,
     AnyRule,
     DeclaredRule,
     PrecisionRules,
     rule_label,
 )
-from fsdp_precision._policy.resolve import own_format_message
 
 __all__ = ["Claimed", "claim_params", "fqns_by_param", "owner_of", "planned_upcasts"]
 

@@ -16,20 +16,20 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from fsdp_precision._advise.advice import PrecisionAdvice, advise, advised_rules
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
-from fsdp_precision._plan.advice import PrecisionAdvice, advise, advised_rules
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam
 from fsdp_precision._plan.replicated import replicated_params
-from fsdp_precision._plan.rules import PrecisionRules, rule_label
 from fsdp_precision._plan.separate import separate_units_plan
 from fsdp_precision._plan.units import default_units
 from fsdp_precision._releases.status import patch_status
+from fsdp_precision._rules.rules import PrecisionRules, rule_label
 
 __all__ = ["LAYOUTS", "UNKNOWN_TORCH", "Layout", "UnknownTorch", "compile_param_dtype_maps"]
 

@@ -18,11 +18,11 @@ from fsdp_precision._plan.claims import fqns_by_param
 from fsdp_precision._plan.compile import UnknownTorch, compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import kept_reasons
-from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._policy.scope import ModelScope, ModelScopedPolicy, Slot
 from fsdp_precision._policy.unapplied import guard_unapplied
+from fsdp_precision._rules.rules import PrecisionRules
 
 __all__ = ["model_policy"]
 

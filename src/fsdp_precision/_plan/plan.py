@@ -15,22 +15,22 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_precision._advise.advice import PrecisionAdvice, advise
 from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan import cost, preflight, report
 from fsdp_precision._plan import meshes as meshes_mod
-from fsdp_precision._plan.advice import PrecisionAdvice, advise
 from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
 from fsdp_precision._plan.replicated import average_gradients
-from fsdp_precision._plan.rules import PrecisionRules
 from fsdp_precision._plan.units import UnitChoice
 from fsdp_precision._plan.upcast import upcast_storage
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import install_input_cast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases.status import patch_status
+from fsdp_precision._rules.rules import PrecisionRules
 
 __all__ = ["PrecisionPlan"]
 

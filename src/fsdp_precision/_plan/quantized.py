@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fsdp_precision._plan.rules import DeclaredRule
+from fsdp_precision._rules.rules import DeclaredRule
 
 __all__ = ["PACKED_SOURCE", "gather_format", "is_packed", "packed_storage_rules", "wire_itemsize"]
 

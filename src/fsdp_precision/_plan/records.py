@@ -16,9 +16,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._plan import cost
-from fsdp_precision._plan.rules import AnyRule, rule_label
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+from fsdp_precision._rules.rules import AnyRule, rule_label
 
 __all__ = ["PlannedParam", "PlannedUnit", "RuleClaims", "kept_reasons"]
 

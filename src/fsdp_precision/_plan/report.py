@@ -13,8 +13,8 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan import cost
 from fsdp_precision._plan.meshes import Meshes, mesh_lines, mesh_totals
 from fsdp_precision._plan.records import PlannedUnit, RuleClaims
-from fsdp_precision._plan.rules import rule_label
 from fsdp_precision._plan.separate import separate_units_plan
+from fsdp_precision._rules.rules import rule_label
 
 if TYPE_CHECKING:
     from fsdp_precision._plan.plan import PrecisionPlan

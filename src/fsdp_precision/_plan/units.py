@@ -5,7 +5,8 @@ A module is made a unit only when torch can run it as one:
 * it is not a container (``ModuleList`` and friends are never called, so FSDP's hooks would
   never gather what they hold);
 * none of its parameters is tied to a module outside it (torch shards each parameter once);
-* every use of its parameters happens while its forward runs (:mod:`fsdp_precision._plan.usage`): a
+* every use of its parameters happens while its forward runs
+  (:mod:`fsdp_precision._advise.usage`): a
   multimodal model that calls ``get_input_embeddings()`` from the outer model, or reads
   ``self.dtype`` there, keeps the embedding or that parameter out of an inner unit;
 * it is not inside a block declared in ``_no_split_modules``.
@@ -25,7 +26,7 @@ from typing import Literal
 
 import torch.nn as nn
 
-from fsdp_precision._plan.usage import ParamUsage, param_usage
+from fsdp_precision._advise.usage import ParamUsage, param_usage
 
 __all__ = [
     "CONTAINERS",

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 import torch
 
 from fsdp_precision._plan.compile import LAYOUTS, UNKNOWN_TORCH, Layout, UnknownTorch
-from fsdp_precision._plan.rules import Glob, ModuleClass, PrecisionRules, Rule
+from fsdp_precision._rules.rules import Glob, ModuleClass, PrecisionRules, Rule
 
 __all__ = ["PRESETS", "DistributedConfig", "Preset"]
 

@@ -23,7 +23,7 @@ from typing import Any
 from fsdp_precision._base.errors import PatchIntegrityError
 from fsdp_precision._base.sources import lookup, source_sha256
 from fsdp_precision._plan.model_policy import model_policy
-from fsdp_precision._plan.rules import PrecisionRules
+from fsdp_precision._rules.rules import PrecisionRules
 
 __all__ = ["CHECKED", "transformers_native_fsdp"]
 

@@ -16,11 +16,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_precision._plan.advice import PrecisionAdvice
+from fsdp_precision._advise.advice import PrecisionAdvice
+from fsdp_precision._advise.usage import param_usage
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.units import choose_units
-from fsdp_precision._plan.usage import param_usage
 from fsdp_precision._train.config import DistributedConfig
 
 __all__ = [

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from fsdp_precision._advise.usage import call_forward, on_model_device
 from fsdp_precision._plan.plan import PrecisionPlan
-from fsdp_precision._plan.usage import call_forward, on_model_device
 from fsdp_precision._policy.casts import installed_cast
 from fsdp_precision._policy.diagnose import (
     install_diagnosis,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fsdp_precision._plan.rules import Glob
+from fsdp_precision._rules.rules import Glob
 from fsdp_precision.testing._models import TinyConfig, TinyDecoder
 
 __all__ = [

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch.nn as nn
 
-from fsdp_precision._plan.flow import KINDS, Finding
+from fsdp_precision._advise.flow import KINDS, Finding
 
 __all__ = ["block_free", "carry", "check_stand_in"]
 

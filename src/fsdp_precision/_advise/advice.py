@@ -1,5 +1,5 @@
 """The precision advisor: which parameters need more than bf16, found from the model's own
-forward (:mod:`fsdp_precision._plan.flow`), each with its reason and a rule ready to paste.
+forward (:mod:`fsdp_precision._advise.flow`), each with its reason and a rule ready to paste.
 
 >>> advice = advise(model)  # doctest: +SKIP
 >>> print(advice.explain())  # doctest: +SKIP
@@ -8,7 +8,7 @@ forward (:mod:`fsdp_precision._plan.flow`), each with its reason and a rule read
 The trace runs once, on the meta device at full size (no memory, no compute) or on real
 inputs, with the caller's ``example_inputs`` or the model's ``dummy_inputs``; or on a smaller
 build of the same architecture (``stand_in``), where the meta device cannot run the forward
-(it reads values), its findings carried to the model's names (:mod:`._plan.stand_in`). What it
+(it reads values), its findings carried to the model's names (:mod:`._advise.stand_in`). What it
 did not reach is said (:attr:`PrecisionAdvice.not_reached`), never silently empty.
 """
 
@@ -22,19 +22,19 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_precision._base.errors import ParamDtypeMapError
-from fsdp_precision._base.watch import ROOT, RunningModules
-from fsdp_precision._plan.flow import KINDS, Finding, Flow, Kind
-from fsdp_precision._plan.rules import AdvisedRule, Glob
-from fsdp_precision._plan.stand_in import block_free, carry, check_stand_in
-from fsdp_precision._plan.usage import (
+from fsdp_precision._advise.flow import KINDS, Finding, Flow, Kind
+from fsdp_precision._advise.stand_in import block_free, carry, check_stand_in
+from fsdp_precision._advise.usage import (
     call_forward,
     default_inputs,
     first_line,
     on_model_device,
     quiet_forward,
 )
+from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._base.watch import ROOT, RunningModules
 from fsdp_precision._policy.casts import Boundary
+from fsdp_precision._rules.rules import AdvisedRule, Glob
 
 __all__ = [
     "APPLIED_KINDS",

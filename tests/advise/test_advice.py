@@ -314,7 +314,7 @@ def test_timestep_feature_rules_cast_their_outputs_back_and_router_rules_do_not(
     """A kept timestep-feature Linear returns activations for the bf16 layers after it; a
     router's fp32 logits go to softmax and top-k in fp32 (the diffusion screen's HunyuanVideo,
     CogVideoX, QwenImage and UNet failed their first forward with both at ``"auto"``)."""
-    from fsdp_precision._plan.advice import Advice, PrecisionAdvice, advised_rules
+    from fsdp_precision._advise.advice import Advice, PrecisionAdvice, advised_rules
 
     advice = PrecisionAdvice(
         (
