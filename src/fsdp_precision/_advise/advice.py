@@ -14,16 +14,19 @@ did not reach is said (:attr:`PrecisionAdvice.not_reached`), never silently empt
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_precision._advise.flow import KINDS, Finding, Flow, Kind
-from fsdp_precision._advise.stand_in import block_free, carry, check_stand_in
+from fsdp_precision._advise.flow import KINDS, Flow, Kind
+from fsdp_precision._advise.globs import WHY, group_findings, not_reached
+from fsdp_precision._advise.measure import Candidate, Measurement
+from fsdp_precision._advise.measure import measure as measure_candidates
+from fsdp_precision._advise.stand_in import carry, check_stand_in
 from fsdp_precision._advise.usage import (
     call_forward,
     default_inputs,
@@ -31,13 +34,15 @@ from fsdp_precision._advise.usage import (
     on_model_device,
     quiet_forward,
 )
+from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
-from fsdp_precision._base.watch import ROOT, RunningModules
+from fsdp_precision._base.watch import RunningModules
 from fsdp_precision._policy.casts import Boundary
-from fsdp_precision._rules.rules import AdvisedRule, Glob
+from fsdp_precision._rules.rules import MEASURED_THRESHOLD, AdvisedRule, Glob
 
 __all__ = [
     "APPLIED_KINDS",
+    "MEASURED_THRESHOLD",
     "Advice",
     "PrecisionAdvice",
     "advise",
@@ -53,16 +58,6 @@ APPLIED_KINDS: tuple[Kind, ...] = ("router", "log_space", "gain", "sinusoidal")
 #: matrix's output in fp32, as a router's logits are).
 KIND_BOUNDARY: dict[str, Boundary] = {"sinusoidal": "inputs_outputs"}
 
-_WHY: Mapping[Kind, str] = {
-    "router": "its scores pick the experts: bf16 rounding flips close top-k decisions",
-    "log_space": "it is an exponent: exp turns its bf16 rounding (3 significant digits) into a "
-    "relative error of the value itself",
-    "gain": "it scales activations: its rounding error scales every value it multiplies",
-    "sinusoidal": "it reads sinusoidal features (sin/cos of a timestep or position): bf16 keeps "
-    "3 significant digits of features whose fine differences encode the value",
-    "norm": "a norm weight (weaker: it scales normalised activations; keeping it is cheap)",
-}
-
 
 @dataclass(frozen=True)
 class Advice:
@@ -73,12 +68,14 @@ class Advice:
         pattern: The glob that keeps them (``"*.mlp.gate.weight"``).
         params: The parameters the trace found, root-relative FQNs.
         reason: What the trace saw for the first of them, and why it matters.
+        sites: The modules in which the deciding ops ran (a router's top-k).
     """
 
     kind: Kind
     pattern: str
     params: tuple[str, ...]
     reason: str
+    sites: tuple[str, ...] = ()
 
     @property
     def rule(self) -> str:
@@ -100,6 +97,8 @@ class PrecisionAdvice:
         not_reached: Modules holding parameters no op of the trace read (globbed over block
             indices): no advice covers them.
         stopped: Where the forward stopped before its end (``"Type: message"``), else ``""``.
+        measured: What the compute dtype does to each entry on real weights and batches
+            (``advise(..., measure=True)``), in the entries' order; else ``None``.
     """
 
     advice: tuple[Advice, ...]
@@ -107,6 +106,7 @@ class PrecisionAdvice:
     covered: bool
     not_reached: tuple[str, ...] = field(default_factory=tuple)
     stopped: str = ""
+    measured: Measurement | None = None
 
     @property
     def complete(self) -> bool:
@@ -131,21 +131,43 @@ class PrecisionAdvice:
         """The advice restricted to ``params`` (entries left with none dropped)."""
         keep = set(params)
         advice = tuple(
-            Advice(a.kind, a.pattern, tuple(p for p in a.params if p in keep), a.reason)
-            for a in self.advice
+            replace(a, params=tuple(p for p in a.params if p in keep)) for a in self.advice
         )
+        measured = self.measured
+        if measured is not None:
+            left = {a.pattern for a in advice if a.params}
+            figures = tuple(f for f in measured.figures if f.candidate.pattern in left)
+            measured = replace(measured, figures=figures)
         return PrecisionAdvice(
             tuple(a for a in advice if a.params),
             self.traced,
             self.covered,
             self.not_reached,
             self.stopped,
+            measured,
+        )
+
+    def kept_by_measure(self, threshold: float = MEASURED_THRESHOLD) -> tuple[Advice, ...]:
+        """The entries whose measured effect is at least ``threshold``, by effect per byte
+        kept (what ``advice="measured"`` keeps); ``ValueError`` without a measurement."""
+        if self.measured is None:
+            raise ValueError(
+                "this advice was not measured: call fsdp_precision.advise(model, batches, "
+                "measure=True)"
+            )
+        by_pattern = {a.pattern: a for a in self.advice}
+        return tuple(
+            by_pattern[f.candidate.pattern]
+            for f in self.measured.ranked()
+            if f.effect >= threshold and f.candidate.pattern in by_pattern
         )
 
     def explain(self) -> str:
         """The advice as text: per rule its parameters, the rule and the reason (norms in one
         line), then what the trace did not reach."""
         head = f"precision advice ({self.traced}):"
+        if self.covered and self.measured is not None:
+            return "\n".join([head, *self._measured_lines()])
         if not self.covered:
             return (
                 f"{head}\n  not covered: no parameter was reached, so there is no advice; pass "
@@ -164,7 +186,7 @@ class PrecisionAdvice:
             count = sum(len(a.params) for a in norms)
             rules = ", ".join(a.rule for a in norms[:4]) + (", ..." if len(norms) > 4 else "")
             lines.append(f"  {'norm':<9} {count:>4} params  {rules}")
-            lines.append(f"      {_WHY['norm']}")
+            lines.append(f"      {WHY['norm']}")
         if self.not_reached:
             shown = ", ".join(self.not_reached[:6])
             more = f" and {len(self.not_reached) - 6} more" if len(self.not_reached) > 6 else ""
@@ -176,8 +198,25 @@ class PrecisionAdvice:
             )
         return "\n".join(lines)
 
+    def _measured_lines(self) -> list[str]:
+        measured = self.measured
+        assert measured is not None
+        figures = {f.candidate.pattern: f for f in measured.figures}
+        lines = [f"  {measured.describe()}"]
+        if not self.advice:
+            lines.append("  no parameter computing in a low-precision dtype looks sensitive")
+        for a in self.advice:
+            lines.append(f"  {a.kind:<9} {len(a.params):>4} params  {a.rule}")
+            lines.append(f"      {a.params[0]}: {a.reason}")
+            found = figures.get(a.pattern)
+            if found is not None:
+                lines.extend(f"      {line}" for line in found.lines(measured.dtype))
+        lines.extend(f"  {line}" for line in measured.summary())
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         """The advice as JSON-ready data."""
+        measured = self.measured.to_dict() if self.measured is not None else None
         return {
             "traced": self.traced,
             "covered": self.covered,
@@ -193,33 +232,53 @@ class PrecisionAdvice:
                 }
                 for a in self.advice
             ],
+            "measured": measured,
         }
 
 
 def advise(
-    model: nn.Module, example_inputs: Any = None, *, stand_in: nn.Module | None = None
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    stand_in: nn.Module | None = None,
+    measure: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> PrecisionAdvice:
-    """Trace one forward of ``model`` and find the parameters whose precision matters.
+    """Trace one forward of ``model`` and find the parameters whose precision matters; with
+    ``measure=True``, also measure what ``dtype`` does to each of them on real weights.
 
     ``example_inputs``: a mapping (keyword arguments), a tuple (positional) or one tensor;
-    default: the model's ``dummy_inputs`` (Hugging Face models). The model is not modified: the
-    forward runs in its own train/eval mode, without gradients, on a forked RNG. Without
-    inputs, or when the forward fails before reading any parameter, the advice says it is not
-    covered.
+    default: the model's ``dummy_inputs`` (Hugging Face models). With ``measure=True`` it may
+    also be a list of such batches (the calibration data): the trace runs on the first, the
+    measurement on all (:mod:`fsdp_precision._advise.measure`: per candidate, its module's
+    output error and a router's expert flips on the same inputs, and the logits' KL with it
+    alone kept; the figures in :attr:`PrecisionAdvice.measured`, ``explain()`` and
+    ``to_dict()``). Measuring needs the model unsharded, with values, stored wider than
+    ``dtype`` (``ValueError`` otherwise, nothing run).
+
+    The model is not modified: the forwards run without gradients, on a forked RNG (the trace
+    in the model's own train/eval mode, the measurement in eval mode). Without inputs, or when
+    the forward fails before reading any parameter, the advice says it is not covered.
 
     ``stand_in``: a smaller build of the same class from the same config (fewer blocks,
     narrower; :func:`fsdp_precision.testing.tiny_config`), on a device with values. Its forward
     is traced instead (``example_inputs`` are its inputs), and each finding applies to every
     parameter of ``model`` with the same name up to block indices: for a full-size model on the
     meta device whose forward reads values (MoE dispatch, ``Tensor.item()``). ``ValueError``
-    for a stand-in of another class.
+    for a stand-in of another class, or with ``measure=True``.
     """
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return PrecisionAdvice((), "not traced: the model is already sharded", covered=False)
     if stand_in is not None:
         check_stand_in(model, stand_in)
+    batches = _batches(example_inputs) if measure else None
+    first = "example_inputs"
+    if measure:
+        _check_measurable(model, stand_in, dtype)
+        example_inputs = batches[0] if batches else None
+        first = "the first batch"
     traced_model = model if stand_in is None else stand_in
-    chosen = (example_inputs, "example_inputs") if example_inputs is not None else None
+    chosen = (example_inputs, first) if example_inputs is not None else None
     chosen = chosen or default_inputs(traced_model)
     if chosen is None:
         return PrecisionAdvice(
@@ -244,151 +303,88 @@ def advise(
         source = f"{source} of a smaller build ({count:,} parameters), carried by block name"
         findings, touched = carry(findings, touched, stand_in, model)
     traced = f"traced a forward on {source}" + (f", which stopped early: {error}" if error else "")
+    entries = tuple(
+        Advice(g.kind, g.pattern, g.params, g.reason, g.sites)
+        for g in group_findings(model, findings, touched)
+    )
+    measured = None
+    if measure and touched:
+        measured = measure_candidates(
+            model,
+            [_candidate(a) for a in entries],
+            batches or [inputs],
+            dtype=dtype,
+            source=f"{len(batches)} given batches" if batches else source,
+        )
     return PrecisionAdvice(
-        advice=_group(model, findings, touched),
+        advice=entries,
         traced=traced,
         covered=bool(touched),
-        not_reached=_not_reached(model, touched) if touched else (),
+        not_reached=not_reached(model, touched) if touched else (),
         stopped=error,
+        measured=measured,
     )
 
 
-def advised_rules(advice: PrecisionAdvice) -> tuple[AdvisedRule, ...]:
-    """The rules ``advice="apply"`` adds; refuses advice that covers nothing."""
+def _batches(example_inputs: Any) -> list[Any]:
+    """The calibration batches: a list of batches, or one batch."""
+    if example_inputs is None:
+        return []
+    if isinstance(example_inputs, list):
+        return list(example_inputs)
+    return [example_inputs]
+
+
+def _check_measurable(model: nn.Module, stand_in: nn.Module | None, dtype: torch.dtype) -> None:
+    if stand_in is not None:
+        raise ValueError(
+            "advise(measure=True) measures the model itself, with its weights, and got a "
+            "stand_in: measure a model with values (loaded from its checkpoint), or drop "
+            "measure=True to trace the stand-in"
+        )
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if any(p.is_meta for p in floating):
+        raise ValueError(
+            "advise(measure=True) needs the model's weights, and the model is on the meta "
+            "device: load it from its checkpoint (from_pretrained, torch_dtype=torch.float32) "
+            "or measure a smaller build"
+        )
+    if floating and all(p.element_size() <= dtype.itemsize for p in floating):
+        raise ValueError(
+            f"advise(measure=True) compares {dtype_name(dtype)} with the stored precision, and "
+            f"the model is stored in {dtype_name(floating[0].dtype)}: load it in float32 "
+            "(from_pretrained(..., torch_dtype=torch.float32))"
+        )
+
+
+def _candidate(advice: Advice) -> Candidate:
+    return Candidate(
+        kind=advice.kind,
+        pattern=advice.pattern,
+        params=advice.params,
+        boundary=KIND_BOUNDARY.get(advice.kind, "auto"),
+        selects_in=advice.sites if advice.kind == "router" else (),
+    )
+
+
+def advised_rules(
+    advice: PrecisionAdvice, *, threshold: float | None = None
+) -> tuple[AdvisedRule, ...]:
+    """The rules ``advice="apply"`` adds (``threshold``: those ``advice="measured"`` adds, the
+    measured candidates at or above it); refuses advice that covers nothing."""
+    mode = "apply" if threshold is None else "measured"
     if not advice.covered:
         raise ParamDtypeMapError(
-            'PrecisionRules(advice="apply") needs a traced forward, and got none '
+            f'PrecisionRules(advice="{mode}") needs a traced forward, and got none '
             f"({advice.traced}). Pass inputs: "
             "fsdp_precision.advise(model, example_inputs).rules() into "
             'PrecisionRules(rules=...), or use advice="report" / "off"'
         )
-    return tuple(
-        AdvisedRule(a.kind, a.pattern, boundary=KIND_BOUNDARY.get(a.kind, "auto"))
-        for a in advice.advice
-        if a.kind in APPLIED_KINDS
-    )
-
-
-# ---------------------------------------------------------------------------------- wording
-
-
-def _strongest(findings: list[Finding]) -> dict[str, Finding]:
-    best: dict[str, Finding] = {}
-    for finding in findings:
-        known = best.get(finding.param)
-        if known is None or KINDS.index(finding.kind) < KINDS.index(known.kind):
-            best[finding.param] = finding
-    return best
-
-
-def _pattern(fqn: str, names: list[str], flagged: set[str]) -> str:
-    """The shortest glob that matches the same parameters as ``fqn`` with its block indices
-    globbed, and no parameter the trace read without flagging (else ``fqn`` itself)."""
-    general = block_free(fqn)
-    matched = {n for n in names if fnmatch.fnmatchcase(n, general)}
-    if matched - flagged:
-        return fqn
-    segments = general.split(".")
-    stars = [i for i, part in enumerate(segments) if part == "*"]
-    # After the last block index (``*.mlp.gate.weight``), else the shortest unique tail.
-    starts = [stars[-1] + 1] if stars else list(range(len(segments) - 1, 0, -1))
-    for start in starts:
-        tail = "*." + ".".join(segments[start:])
-        if {n for n in names if fnmatch.fnmatchcase(n, tail)} == matched:
-            return tail
-    return general
-
-
-def _reason(model: nn.Module, finding: Finding) -> str:
-    where = finding.where
-    try:
-        module = model if where == ROOT else model.get_submodule(where)
-        cls = f" ({type(module).__name__})"
-    except AttributeError:
-        cls = ""
-    return f"{' -> '.join(finding.via)} in {where}{cls}: {_WHY[finding.kind]}"
-
-
-def _group(model: nn.Module, findings: list[Finding], touched: set[str]) -> tuple[Advice, ...]:
-    best = _strongest(findings)
-    names = [n for n, _ in model.named_parameters()]
-    flagged = set(best)
-    groups: dict[tuple[Kind, str], list[Finding]] = {}
-    for fqn in names:
-        finding = best.get(fqn)
-        if finding is not None:
-            key = (finding.kind, _pattern(fqn, names, flagged))
-            groups.setdefault(key, []).append(finding)
-    groups = _merged(groups, names, best, touched)
-    ordered = sorted(
-        groups.items(),
-        key=lambda kv: (KINDS.index(kv[0][0]), names.index(kv[1][0].param)),
+    chosen: Sequence[Advice] = (
+        [a for a in advice.advice if a.kind in APPLIED_KINDS]
+        if threshold is None
+        else advice.kept_by_measure(threshold)
     )
     return tuple(
-        Advice(kind, pattern, tuple(f.param for f in found), _reason(model, found[0]))
-        for (kind, pattern), found in ordered
+        AdvisedRule(a.kind, a.pattern, boundary=KIND_BOUNDARY.get(a.kind, "auto")) for a in chosen
     )
-
-
-def _merged(
-    groups: dict[tuple[Kind, str], list[Finding]],
-    names: list[str],
-    best: dict[str, Finding],
-    touched: set[str],
-) -> dict[tuple[Kind, str], list[Finding]]:
-    """One glob per kind where one exists: the common suffix (``*norm.weight``) or the common
-    start of the last name segment (``*.time_mix_*``), matching every parameter of that kind
-    and nothing the trace read and judged otherwise."""
-    by_kind: dict[Kind, list[Finding]] = {}
-    for (kind, _), found in groups.items():
-        by_kind.setdefault(kind, []).extend(found)
-    merged: dict[tuple[Kind, str], list[Finding]] = {}
-    for (kind, pattern), found in groups.items():
-        everything = by_kind[kind]
-        glob = _one_glob(kind, [f.param for f in everything], names, best, touched)
-        if glob is None or len(everything) == len(found):
-            merged[(kind, pattern)] = found
-        else:
-            merged.setdefault((kind, glob), everything)
-    return merged
-
-
-def _one_glob(
-    kind: Kind, params: list[str], names: list[str], best: dict[str, Finding], touched: set[str]
-) -> str | None:
-    suffix = _common_suffix(params)
-    last = [p.rpartition(".")[2] for p in params]
-    stem = _common_prefix(last)
-    candidates = []
-    if len(suffix) > 3:
-        candidates.append("*" + suffix)
-    if len(stem) > 3:
-        candidates.append("*." + stem + "*")
-    wanted = set(params)
-    for glob in candidates:
-        matched = {n for n in names if fnmatch.fnmatchcase(n, glob)}
-        stray = {n for n in matched - wanted if n in touched or n in best}
-        if wanted <= matched and not stray:
-            return glob
-    return None
-
-
-def _common_suffix(values: list[str]) -> str:
-    reversed_prefix = _common_prefix([v[::-1] for v in values])
-    return reversed_prefix[::-1]
-
-
-def _common_prefix(values: list[str]) -> str:
-    first, last = min(values), max(values)
-    size = 0
-    while size < min(len(first), len(last)) and first[size] == last[size]:
-        size += 1
-    return first[:size]
-
-
-def _not_reached(model: nn.Module, touched: set[str]) -> tuple[str, ...]:
-    modules: dict[str, None] = {}
-    for fqn, _ in model.named_parameters():
-        if fqn not in touched:
-            modules.setdefault(block_free(fqn.rpartition(".")[0] or ROOT), None)
-    return tuple(modules)

@@ -52,15 +52,45 @@ def _add_uncast(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_advice(parser: argparse.ArgumentParser) -> None:
+def _add_advice(parser: argparse.ArgumentParser, *, measured: bool = False) -> None:
     parser.add_argument(
         "--advice",
-        choices=("report", "apply", "off"),
+        choices=("report", "apply", "measured", "off") if measured else ("report", "apply", "off"),
         default="report",
         help="the precision advisor (a traced forward finds routers, log-space parameters, "
         "gains and norms that compute in bf16/fp16): report lists them under the plan, apply "
-        "also keeps routers, log-space parameters and gains in fp32, off skips it "
-        "(default: report)",
+        "also keeps routers, log-space parameters and gains in fp32, "
+        + (
+            "measured keeps what --measure finds above 5%% of bf16's logits KL, "
+            if measured
+            else ""
+        )
+        + "off skips it (default: report)",
+    )
+
+
+def _add_measure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure what bf16 does to each candidate on the model's weights (a directory "
+        "with *.safetensors, loaded in fp32): per router the tokens whose experts change, per "
+        "module its output error, at the end the logits KL with each kept alone",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="calibration data for --measure: a .txt (tokenized with the directory's "
+        "tokenizer) or token ids in a .safetensors/.pt ([rows, tokens]) (default: random "
+        "inputs, as verify makes them)",
+    )
+    parser.add_argument("--batches", type=int, default=4, help="batches to measure on (default: 4)")
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="rows per --data batch (default: 4)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=128, help="tokens per --data row (default: 128)"
     )
 
 
@@ -164,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_keep(plan)
     _add_boundary(plan)
-    _add_advice(plan)
+    _add_advice(plan, measured=True)
+    _add_measure(plan)
     _add_uncast(plan)
     _add_units(plan, "size", "(default: size)")
     plan.add_argument(
@@ -219,6 +250,23 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
     )
     verify.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     verify.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    advise_cmd = sub.add_parser(
+        "advise",
+        help="which parameters need more than bf16 (a traced forward), and with --measure "
+        "what bf16 does to each on the model's own weights and data",
+        description="Traces one forward of MODEL and lists the parameters whose precision "
+        "matters (routers, log-space parameters, gains, timestep features, norms), each with "
+        "its reason and a rule to paste. With --measure, loads the weights (a save_pretrained "
+        "directory, safetensors only, in fp32) and measures on the calibration batches, per "
+        "candidate: its module's output error in bf16 on the same inputs, for a router the "
+        "share of tokens whose top-k experts change and the routing-weight error, and at the "
+        "model's end the logits KL, argmax flips and loss change with nothing kept, everything "
+        "kept, and each candidate alone kept; then ranks the candidates by effect per byte.",
+    )
+    advise_cmd.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    _add_precision(advise_cmd, ("bf16", "fp16"))
+    _add_measure(advise_cmd)
+    advise_cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor = sub.add_parser(
         "doctor",
         help="what this machine's torch and packages mean for fsdp_precision",
@@ -273,8 +321,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     units=args.units,
                     boundary=args.boundary,
                     advice=args.advice,
+                    measure=args.measure,
+                    data=args.data,
+                    batches=args.batches,
+                    batch_size=args.batch_size,
+                    seq_len=args.seq_len,
                     uncast_inputs=_names(args.uncast_inputs),
                     trace=not args.no_trace,
+                    as_json=args.json,
+                )
+            )
+        if args.command == "advise":
+            # lazy: each command imports only what it runs
+            from fsdp_precision._cli.advise import AdviseOptions, run_advise
+            from fsdp_precision._cli.calibration import Calibration
+
+            return run_advise(
+                AdviseOptions(
+                    model=args.model,
+                    measure=args.measure,
+                    data=args.data,
+                    calibration=Calibration(
+                        batches=args.batches, batch_size=args.batch_size, seq_len=args.seq_len
+                    ),
+                    precision=args.precision,
                     as_json=args.json,
                 )
             )

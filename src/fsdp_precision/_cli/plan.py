@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from fsdp_precision._advise.advice import PrecisionAdvice, advise
-from fsdp_precision._advise.usage import default_inputs
-from fsdp_precision._cli.hf_inputs import adds_to
+from fsdp_precision._advise.advice import PrecisionAdvice
+from fsdp_precision._cli.advise import inputs_for, measured_advice, own_or, traced_advice
+from fsdp_precision._cli.calibration import Calibration
 from fsdp_precision._cli.models import is_hf_spec, load_model, load_tiny_model, one_line
-from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
+from fsdp_precision._cli.options import (
+    BOUNDARY_NAMES,
+    DTYPES,
+    UNITS,
+    precision_rules,
+    units_of,
+)
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
 from fsdp_precision._plan.meshes import Meshes
@@ -39,6 +45,11 @@ class PlanOptions:
     units: str = "size"
     boundary: str = "auto"
     advice: str = "report"
+    measure: bool = False
+    data: str | None = None
+    batches: int = 4
+    batch_size: int = 4
+    seq_len: int = 128
     uncast_inputs: tuple[str, ...] = ()
     trace: bool = True
     as_json: bool = False
@@ -69,13 +80,6 @@ def _rules(opts: PlanOptions) -> PrecisionRules:
     )
 
 
-def _own_or(model: nn.Module, inputs: Any) -> Any:
-    """``inputs`` for ``model``'s traced forwards, or ``None`` for its own ``dummy_inputs``
-    (a transformers model's, unless ``inputs`` add pixel values, decoder inputs, ...)."""
-    own = default_inputs(model)
-    return None if own is not None and not adds_to(inputs, own[0]) else inputs
-
-
 def _plan(
     model: nn.Module,
     opts: PlanOptions,
@@ -88,7 +92,7 @@ def _plan(
     or where they hold arguments its own lack (pixel values, an encoder-decoder's decoder
     inputs); ``advice``, found already, is used as it is."""
     rules = _rules(opts)
-    inputs = _own_or(model, inputs)
+    inputs = own_or(model, inputs)
     if opts.units == "size":  # wrap_model_for_training's units, refusals explained
         config = DistributedConfig(
             fsdp_mixed_precision=rules, fsdp_auto_wrap_min_params=opts.min_params
@@ -103,27 +107,19 @@ def _plan(
 
 
 def _advice(opts: PlanOptions, model: nn.Module, inputs: Any) -> PrecisionAdvice | None:
-    """The advisor's findings: the full-size forward on the meta device; where that stops
-    before its end (it reads values: MoE dispatch, ``Tensor.item()``), the same forward on a
-    tiny CPU build of the config, its findings carried to the full-size names by block."""
+    """The advisor's findings: measured on the model's weights (``--measure``, or
+    ``--advice measured``), else traced (:func:`~fsdp_precision._cli.advise.traced_advice`)."""
     if opts.advice == "off":
         return None
-    found = advise(model, _own_or(model, inputs))
-    if found.complete or not is_hf_spec(opts.model):
-        return found
-    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
-
-    torch.manual_seed(0)
-    try:
-        tiny = load_tiny_model(opts.model, device="cpu", dtype=torch.float32)
-        tiny_inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
-    except Exception:  # noqa: BLE001 - no tiny build: the meta trace's advice, as it stopped
-        return found
-    carried = advise(model, _own_or(tiny, tiny_inputs), stand_in=tiny)
-    if not (carried.complete or (carried.covered and not found.covered)):
-        return found
-    why = found.stopped or "read no parameter"
-    return replace(carried, traced=f"{carried.traced} (on the meta device it stopped: {why})")
+    if opts.measure or opts.advice == "measured":
+        calibration = Calibration(
+            batches=opts.batches, batch_size=opts.batch_size, seq_len=opts.seq_len
+        )
+        dtype = DTYPES[opts.precision]
+        if dtype == torch.float32:
+            raise ValueError("--measure compares the compute dtype with fp32: use --precision bf16")
+        return measured_advice(opts.model, opts.data, calibration, dtype)
+    return traced_advice(opts.model, model, own_or(model, inputs))
 
 
 def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
@@ -160,20 +156,9 @@ def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
     return trace, "traced on a tiny CPU build of the same config, in the planned compute dtypes"
 
 
-def _inputs(spec: str, model: nn.Module) -> dict[str, Any] | None:
-    """verify's inputs for ``model``, or ``None`` where it makes none (the advice then says it
-    traced nothing, and the first forward why)."""
-    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
-
-    try:
-        return make_inputs(spec, model, torch.Generator().manual_seed(0))
-    except ValueError:
-        return None
-
-
 def run_plan(opts: PlanOptions) -> int:
     model = load_model(opts.model)
-    inputs = _inputs(opts.model, model)
+    inputs = inputs_for(opts.model, model)
     plan = _plan(model, opts, opts.world_size, inputs, _advice(opts, model, inputs))
     meshes = Meshes(tp=opts.tp, ep=opts.ep, pp=opts.pp)
     meshes_or_none = None if meshes.trivial else meshes

@@ -77,10 +77,13 @@ def compile_param_dtype_maps(
     :meth:`PrecisionPlan.apply` passes the plan's ``reshard_after_forward``.
     ``example_inputs`` (a mapping of keyword arguments, a tuple or one tensor) feed the
     precision advisor's traced forward (``PrecisionRules.advice``), which then runs here;
-    without them it runs on the model's ``dummy_inputs``, here with ``advice="apply"``, else
-    when :attr:`PrecisionPlan.advice` is first read. ``unknown_torch="public_api"``: where the
-    patch cannot run on the installed torch (:data:`UNKNOWN_TORCH`), plan the separate-units
-    layout instead, and say so (``plan.fallback``, a warning with the extra collectives).
+    without them it runs on the model's ``dummy_inputs``, here with ``advice="apply"`` or
+    ``"measured"``, else when :attr:`PrecisionPlan.advice` is first read. With
+    ``advice="measured"`` the inputs may be a list of batches, the calibration data the
+    measurement runs on (:func:`advise` with ``measure=True``). ``unknown_torch="public_api"``:
+    where the patch cannot run on the installed torch (:data:`UNKNOWN_TORCH`), plan the
+    separate-units layout instead, and say so (``plan.fallback``, a warning with the extra
+    collectives).
     ``advice``: the advisor's findings for this model, found already (:func:`advise`, with a
     ``stand_in`` where the model's own forward cannot run on the meta device): used as they
     are, nothing traced again.
@@ -108,11 +111,15 @@ def compile_param_dtype_maps(
     fqns_of = fqns_by_param(model)
     decision_dtype = rules.param_dtype or _majority_dtype(model)
     decls = tuple(declarations(model, decision_dtype) if rules.hf_keep_in_fp32 else ())
-    traced = rules.advice == "apply" or (rules.advice == "report" and example_inputs is not None)
+    applied = rules.advice in ("apply", "measured")
+    traced = applied or (rules.advice == "report" and example_inputs is not None)
     found = advice
-    if found is None and traced:
-        found = advise(model, example_inputs)
-    advised = advised_rules(found) if found is not None and rules.advice == "apply" else ()
+    measured = rules.advice == "measured"
+    if traced and (found is None or (measured and found.measured is None)):
+        dtype = rules.param_dtype or torch.bfloat16
+        found = advise(model, example_inputs, measure=measured, dtype=dtype)
+    threshold = rules.advice_threshold if measured else None
+    advised = advised_rules(found, threshold=threshold) if found is not None and applied else ()
     claimed, claims = claim_params(model, rules, decls, fqns_of, advised)
     upcasts = planned_upcasts(model, claimed, fqns_of)
 

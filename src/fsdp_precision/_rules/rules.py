@@ -30,6 +30,7 @@ from fsdp_precision._policy.inputs import check_uncast_inputs
 
 __all__ = [
     "ADVICE_MODES",
+    "MEASURED_THRESHOLD",
     "AdviceMode",
     "AdvisedRule",
     "AnyRule",
@@ -152,9 +153,16 @@ class DeclaredRule:
 #: What the precision advisor does for a plan (:mod:`fsdp_precision._advise.advice`):
 #: ``"report"`` lists it under the plan (``explain()``, ``to_dict()``, ``fsdp-precision plan``);
 #: ``"apply"`` also keeps what it found (routers, log-space parameters, gains) in fp32, as
-#: rules after the user's rules and the model's declarations; ``"off"`` traces nothing.
-AdviceMode = Literal["report", "apply", "off"]
-ADVICE_MODES: tuple[AdviceMode, ...] = ("report", "apply", "off")
+#: rules after the user's rules and the model's declarations; ``"measured"`` keeps, likewise, the
+#: candidates (norms included) whose effect measured on the example inputs
+#: (:mod:`fsdp_precision._advise.measure`) is at least ``PrecisionRules.advice_threshold``;
+#: ``"off"`` traces nothing.
+AdviceMode = Literal["report", "apply", "measured", "off"]
+ADVICE_MODES: tuple[AdviceMode, ...] = ("report", "apply", "measured", "off")
+
+#: The default ``advice_threshold``: a candidate is kept when keeping it alone removes at least
+#: this share of the uniform policy's logits KL (else of its output error).
+MEASURED_THRESHOLD = 0.05
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,13 @@ class PrecisionRules:
             forward of the model (its ``dummy_inputs``): ``"report"`` lists the parameters that
             need more than the compute dtype under the plan (``explain()``, ``to_dict()``);
             ``"apply"`` also keeps routers, log-space parameters and gains in fp32, after the
-            rules and the declarations; ``"off"`` traces nothing. (Default: ``"report"``)
+            rules and the declarations; ``"measured"`` keeps the candidates (norms included)
+            whose measured effect is at least ``advice_threshold`` (it needs the model's weights
+            in their stored precision and ``param_dtype``); ``"off"`` traces nothing.
+            (Default: ``"report"``)
+        advice_threshold (float): For ``advice="measured"``: the share of the uniform
+            policy's logits KL (else output error) a candidate kept alone must remove, in
+            ``[0, 1]``. (Default: ``0.05``)
         strategy (Literal["patch", "split"] | None): Deprecated: where kept parameters go is a
             unit layout, chosen by the planning verb (``compile_param_dtype_maps(...,
             layout="separate_units")``, ``DistributedConfig(fsdp_layout=...)``); ``"split"``
@@ -243,6 +257,7 @@ class PrecisionRules:
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     hf_keep_in_fp32: bool = True
     advice: AdviceMode = "report"
+    advice_threshold: float = MEASURED_THRESHOLD
     strategy: Literal["patch", "split"] | None = None
 
     def __post_init__(self) -> None:
@@ -276,8 +291,23 @@ class PrecisionRules:
             raise ValueError(
                 f"PrecisionRules.advice is {self.advice!r}; use one of "
                 f"{', '.join(map(repr, ADVICE_MODES))}: 'report' lists the advice under the plan, "
-                "'apply' also keeps routers, log-space parameters and gains in fp32, 'off' "
-                "traces nothing"
+                "'apply' also keeps routers, log-space parameters and gains in fp32, 'measured' "
+                "keeps what measures above advice_threshold, 'off' traces nothing"
+            )
+        threshold = self.advice_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise ValueError(
+                f"PrecisionRules.advice_threshold must be a number in [0, 1], got {threshold!r}"
+            )
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(
+                f"PrecisionRules.advice_threshold is {threshold}; use a share in [0, 1] (0.05: "
+                "keep what removes at least 5% of the uniform policy's logits KL)"
+            )
+        if self.advice == "measured" and self.param_dtype is None:
+            raise ValueError(
+                "PrecisionRules(advice='measured') measures param_dtype against the stored "
+                "precision, and param_dtype is None; set param_dtype (torch.bfloat16)"
             )
         if self.strategy is not None:
             if self.strategy not in ("patch", "split"):
@@ -300,7 +330,10 @@ class PrecisionRules:
         # reduce_dtype=None: torch's rule, which 2.15 changed (ReleaseTraits.default_reduce_dtype)
         reduce = dtype_name(self.reduce_dtype) if self.reduce_dtype else "torch's default"
         hf = ", then model keep-in-fp32 declarations" if self.hf_keep_in_fp32 else ""
-        advice = ", then the advice" if self.advice == "apply" else ""
+        advice = {
+            "apply": ", then the advice",
+            "measured": f", then the measured advice (effect >= {self.advice_threshold:.0%})",
+        }.get(self.advice, "")
         uncast = (
             f"; inputs left uncast: {', '.join(self.uncast_inputs)}" if self.uncast_inputs else ""
         )
