@@ -2,7 +2,9 @@
 
 Where each parameter is used (``usage``: what call-aware auto-wrap needs), where its values flow
 (``flow``: the kinds of sensitive parameter), findings carried from a smaller build
-(``stand_in``), the traced advice (``advice``), and what bf16 does to each candidate on real
-weights and data (``emulate``: a model computing as a uniform or a kept policy would, one
-module's parameters cast at a time; ``measure``: the figures).
+(``stand_in``), grouped into globs (``globs``), the traced advice (``advice``), and what bf16
+does to each candidate on real weights and data: a model computing as a uniform or a kept policy
+would, one module's parameters cast at a time (``emulate``), each candidate's module run again
+on the same inputs (``sites``), the model's end against the reference (``ends``), the figures
+(``measure``).
 """

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fsdp_precision._advise.emulate import Computing
-from fsdp_precision._advise.sites import Site, floating, owner_of, within
+from fsdp_precision._advise.ends import EndFigures, EndSums
+from fsdp_precision._advise.sites import Site, owner_of, within
 from fsdp_precision._advise.usage import call_forward, on_model_device, quiet_forward
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._policy.casts import Boundary
@@ -75,28 +75,6 @@ class RouterFigures:
     tokens: int
     flips: float
     weight_error: float
-
-
-@dataclass(frozen=True)
-class EndFigures:
-    """The model's output under one configuration against the stored-precision reference.
-
-    Attributes:
-        kl: Mean per-token KL(reference || this) of the logits (``None``: the output has none).
-        argmax_flips: Share of tokens whose argmax changes (``None`` likewise).
-        output_error: Relative error (L2) of the output.
-        loss_delta: Loss change, where the output has a ``loss`` (else ``None``).
-    """
-
-    kl: float | None
-    argmax_flips: float | None
-    output_error: float
-    loss_delta: float | None
-
-    @property
-    def error(self) -> float:
-        """The figure effects are shares of: the KL where there are logits, else the error."""
-        return self.kl if self.kl is not None else self.output_error
 
 
 @dataclass(frozen=True)
@@ -245,60 +223,6 @@ def _end_text(end: EndFigures) -> str:
     return ", ".join(parts)
 
 
-# ------------------------------------------------------------------------------ the model's end
-
-
-class _EndSums:
-    """One configuration's output against the reference's, summed over batches."""
-
-    def __init__(self) -> None:
-        self.kl = self.flips = self.rows = 0.0
-        self.diff = self.ref = 0.0
-        self.logits = True
-        self.losses: list[float] = []
-
-    def add(self, reference: Any, output: Any) -> None:
-        ref_main, ref_logits, ref_loss = _end(reference)
-        main, logits, loss = _end(output)
-        self.diff += float((main.float() - ref_main.float()).pow(2).sum())
-        self.ref += float(ref_main.float().pow(2).sum())
-        if ref_logits is None or logits is None:
-            self.logits = False
-        else:
-            p = F.log_softmax(ref_logits.float().reshape(-1, ref_logits.shape[-1]), dim=-1)
-            q = F.log_softmax(logits.float().reshape(p.shape), dim=-1)
-            self.kl += float(F.kl_div(q, p, log_target=True, reduction="sum"))
-            self.flips += float((p.argmax(-1) != q.argmax(-1)).sum())
-            self.rows += p.shape[0]
-        if ref_loss is not None and loss is not None:
-            self.losses.append(float(loss) - float(ref_loss))
-
-    def figures(self) -> EndFigures:
-        rows = max(self.rows, 1.0)
-        return EndFigures(
-            kl=self.kl / rows if self.logits else None,
-            argmax_flips=self.flips / rows if self.logits else None,
-            output_error=(self.diff / self.ref) ** 0.5 if self.ref else 0.0,
-            loss_delta=sum(self.losses) / len(self.losses) if self.losses else None,
-        )
-
-
-def _end(output: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The output's main tensor, its logits (if it has them) and its loss (likewise)."""
-    logits = getattr(output, "logits", None)
-    loss = getattr(output, "loss", None)
-    main = logits if isinstance(logits, torch.Tensor) else getattr(output, "sample", None)
-    if not isinstance(main, torch.Tensor):
-        found = floating(output)
-        if not found:
-            raise ValueError(
-                f"the model returned no floating tensor ({type(output).__name__}): nothing to "
-                "compare at its end"
-            )
-        main = found[0]
-    return main, logits if isinstance(logits, torch.Tensor) else None, loss
-
-
 # ----------------------------------------------------------------------------------- measure
 
 
@@ -337,7 +261,7 @@ def measure(
     for c in candidates:
         configs["kept_all"].update(dict.fromkeys(c.params, c.boundary))
         configs[c.pattern] = dict.fromkeys(c.params, c.boundary)
-    sums = {name: _EndSums() for name in configs}
+    sums = {name: EndSums() for name in configs}
     busy = [False]
 
     def rerun(site: Site) -> Any:

@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "advise":
             # lazy: each command imports only what it runs
             from fsdp_precision._cli.advise import AdviseOptions, run_advise
-            from fsdp_precision._cli.calibration import Calibration
+            from fsdp_precision._cli.calibration import Calibration  # lazy: likewise
 
             return run_advise(
                 AdviseOptions(
