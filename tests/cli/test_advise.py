@@ -128,3 +128,26 @@ def test_what_cannot_be_measured_is_named(
         assert main(["advise", *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err, (args, err)
+
+
+@pytest.mark.fast
+def test_a_diffusers_transformer_is_measured_at_its_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A saved tiny Wan (no logits: the output error is what effects are shares of): keeping
+    the blocks' ``scale_shift_table`` (a gain in a module whose submodules hold weights, run on
+    rounded values) removes most of bf16's error and ranks first, as Wan's own declaration
+    says; nothing is a router."""
+    pytest.importorskip("diffusers", reason="diffusers is not installed")
+    from tests.support.hf_models import wan
+
+    torch.manual_seed(0)
+    wan().save_pretrained(tmp_path / "wan")
+    assert main(["advise", str(tmp_path / "wan"), "--measure", "--batches", "2", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["measured"]
+    assert measured["uniform"]["kl"] is None and measured["uniform"]["output_error"] > 0
+    first = measured["ranked"][0]
+    assert first == "*scale_shift_table", measured["ranked"]
+    effect = next(f["effect"] for f in measured["figures"] if f["pattern"] == first)
+    assert effect > 0.5, effect
+    assert all(f["routers"] == [] for f in measured["figures"])

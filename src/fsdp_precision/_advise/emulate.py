@@ -38,7 +38,9 @@ class _Swaps:
     def __init__(self) -> None:
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor, int]] = {}
 
-    def cast(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    def cast(
+        self, params: list[nn.Parameter], dtype: torch.dtype, *, values_only: bool = False
+    ) -> None:
         for param in params:
             known = self.kept.get(id(param))
             if known is not None:
@@ -48,7 +50,8 @@ class _Swaps:
                 continue
             original = param.data
             self.kept[id(param)] = (param, original, 1)
-            param.data = original.to(dtype)
+            low = original.to(dtype)
+            param.data = low.to(original.dtype) if values_only else low
 
     def restore(self, params: list[nn.Parameter]) -> None:
         for param in params:
@@ -68,10 +71,13 @@ class _Swaps:
 
 
 @contextmanager
-def cast_params(params: list[nn.Parameter], dtype: torch.dtype) -> Iterator[None]:
-    """``params`` compute in ``dtype`` while entered; their values are put back after."""
+def cast_params(
+    params: list[nn.Parameter], dtype: torch.dtype, *, values_only: bool = False
+) -> Iterator[None]:
+    """``params`` compute in ``dtype`` while entered (``values_only``: their values rounded
+    through ``dtype``, their dtype kept); their values are put back after."""
     swaps = _Swaps()
-    swaps.cast(params, dtype)
+    swaps.cast(params, dtype, values_only=values_only)
     try:
         yield
     finally:

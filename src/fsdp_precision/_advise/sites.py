@@ -82,6 +82,16 @@ def _relative_error(low: list[torch.Tensor], kept: list[torch.Tensor]) -> float 
     return (diff / ref) ** 0.5 if ref else 0.0
 
 
+def _holds_below(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` holds floating parameters of its own."""
+    return any(
+        p.is_floating_point()
+        for child in module.modules()
+        if child is not module
+        for p in child.parameters(recurse=False)
+    )
+
+
 def within(fqn: str, module: str) -> bool:
     return module == ROOT or fqn == module or fqn.startswith(f"{module}.")
 
@@ -106,10 +116,21 @@ class Site:
         self.module = _module(model, name)
         names = [p for p in params if within(p, name)]
         self.owners = {o: _module(model, o) for o in dict.fromkeys(owner_of(p) for p in names)}
-        # A module computes whole in one dtype (a LayerNorm cannot mix a bf16 bias in).
+        # A module computes whole in one dtype (a LayerNorm cannot mix a bf16 bias in). One
+        # whose submodules hold parameters too (a Wan block's scale_shift_table) is run on
+        # values rounded to the compute dtype, in its own dtype: its submodules stay as stored.
+        self.leaves = {name: not _holds_below(owner) for name, owner in self.owners.items()}
         self.params = [
             p
-            for owner in self.owners.values()
+            for name, owner in self.owners.items()
+            if self.leaves[name]
+            for p in owner.parameters(recurse=False)
+            if p.is_floating_point()
+        ]
+        self.rounded = [
+            p
+            for name, owner in self.owners.items()
+            if not self.leaves[name]
             for p in owner.parameters(recurse=False)
             if p.is_floating_point()
         ]
@@ -133,10 +154,18 @@ class Site:
         for name, owner in self.owners.items():
             incoming: list[torch.dtype | None] = []
 
-            def pre(module: nn.Module, a: Any, kw: Any, incoming: list[Any] = incoming) -> Any:
+            leaf = self.leaves[name]
+
+            def pre(
+                module: nn.Module,
+                a: Any,
+                kw: Any,
+                incoming: list[Any] = incoming,
+                leaf: bool = leaf,
+            ) -> Any:
                 found = floating((a, kw))
                 incoming.append(found[0].dtype if found else None)
-                cast = cast_to(dtype) if low else rounded_to(dtype)
+                cast = cast_to(dtype) if low and leaf else rounded_to(dtype)
                 return tree_map(cast, a), tree_map(cast, kw)
 
             def post(
@@ -156,7 +185,11 @@ class Site:
             handles.append(owner.register_forward_hook(post, with_kwargs=True))
         selections = _Selections()
         try:
-            with cast_params(self.params if low else [], dtype), selections:
+            with (
+                cast_params(self.params if low else [], dtype),
+                cast_params(self.rounded if low else [], dtype, values_only=True),
+                selections,
+            ):
                 self.module(*args, **kwargs)
         finally:
             for handle in handles:
