@@ -292,7 +292,8 @@ def advise(
     error = ""
     # In the model's own mode: some layers change themselves at an eval forward without
     # gradients (bitsandbytes' CPU 4-bit layers repack their weights in place).
-    with quiet_forward(traced_model, eval_mode=False), running, flow:
+    experts = "eager" if measure else "batched_mm"  # on values: one expert at a time
+    with quiet_forward(traced_model, eval_mode=False, experts=experts), running, flow:
         try:
             call_forward(traced_model, moved)
         except Exception as exc:  # noqa: BLE001 - what ran before is advice; the rest is said

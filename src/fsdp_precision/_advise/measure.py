@@ -120,7 +120,7 @@ class Figures:
         removed = "of the uniform policy's logits KL" if end.kl is not None else "of its error"
         lines.append(
             f"measured: output off {self.module_error:.2%} in {low} (worst module "
-            f"{self.module_error_max:.2%}); kept alone it removes {self.effect:.0%} {removed}, "
+            f"{self.module_error_max:.2%}); kept alone it removes {_share(self.effect)} {removed}, "
             f"for {_size(self.bytes_kept)} more gathered"
         )
         return lines
@@ -205,6 +205,11 @@ class Measurement:
         )
 
 
+def _share(value: float) -> str:
+    """A share in whole percent, with no ``-0%``."""
+    return f"{round(value, 2) + 0.0:.0%}"
+
+
 def _size(count: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if count < 1024 or unit == "GiB":
@@ -275,7 +280,7 @@ def measure(
 
         return hook
 
-    with quiet_forward(model):
+    with quiet_forward(model, experts="eager"):
         for batch in batches:
             moved = on_model_device(model, batch)
             handles = [

@@ -144,19 +144,22 @@ def call_forward(model: nn.Module, inputs: Any) -> Any:
 
 
 @contextmanager
-def quiet_forward(model: nn.Module, *, eval_mode: bool = True) -> Iterator[None]:
+def quiet_forward(
+    model: nn.Module, *, eval_mode: bool = True, experts: str = "batched_mm"
+) -> Iterator[None]:
     """For a traced forward: eval mode (with ``eval_mode=False`` the model's own mode, but
     batch norms in eval mode: a train-mode forward updates their running statistics), no
-    gradient, the RNG forked (dropout consumes none), fused experts on an implementation every
-    dtype and device runs (:func:`~fsdp_precision._hf.tracing.traceable_experts`); everything
-    restored."""
+    gradient, the RNG forked (dropout consumes none), fused experts on ``experts``, an
+    implementation every dtype runs (:func:`~fsdp_precision._hf.tracing.traceable_experts`:
+    ``"batched_mm"`` on the meta device too, ``"eager"`` in bounded memory on values);
+    everything restored."""
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         with (
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
-            traceable_experts(model),
+            traceable_experts(model, experts),
             traceable_cache(model),
             traceable_meta(),
         ):

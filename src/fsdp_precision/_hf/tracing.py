@@ -30,9 +30,12 @@ _BF16_ONLY = (None, "grouped_mm")
 
 
 @contextmanager
-def traceable_experts(model: nn.Module) -> Iterator[None]:
+def traceable_experts(model: nn.Module, implementation: str = "batched_mm") -> Iterator[None]:
     """While entered, every config of ``model`` that would dispatch fused experts to
-    ``grouped_mm`` dispatches them to ``batched_mm``; restored on exit."""
+    ``grouped_mm`` dispatches them to ``implementation``; restored on exit. ``"batched_mm"``
+    runs on the meta device; on values it gathers each token's expert weights (tokens x top-k
+    weight matrices), where ``"eager"`` (the model's own loop over the experts hit) holds one
+    expert's activations at a time."""
     saved: list[tuple[Any, object]] = []
     for config in _configs(model):
         if not hasattr(config, _INTERNAL):
@@ -40,7 +43,7 @@ def traceable_experts(model: nn.Module) -> Iterator[None]:
         current = getattr(config, _INTERNAL)
         if current in _BF16_ONLY:
             saved.append((config, current))
-            setattr(config, _INTERNAL, "batched_mm")
+            setattr(config, _INTERNAL, implementation)
     try:
         yield
     finally:
