@@ -18,7 +18,8 @@ reversed every other iteration:
 Reported: medians of the wall time after the build and of the peak memory above the
 process's memory after the build, and the measurement's extra peak over each forward's, in
 units of the model's fp32 bytes: what it holds beyond a forward (one module's bf16 copy at a
-time, the reference logits, a module run again), never a second model. ``--smoke``: a tiny model, one iteration. Prints JSON.
+time, the reference logits, a module run again), never a second model. ``--smoke``: a tiny
+model, one iteration. Prints JSON.
 """
 
 from __future__ import annotations
