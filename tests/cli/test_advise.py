@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -74,20 +75,66 @@ def test_token_ids_and_text_are_cut_into_the_batches_asked(
         assert data.name in measured["source"]
 
 
+def _plan_measured(saved: Path, capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["plan", str(saved), "--advice", "measured", "--no-trace", "--json", *args]) == 0
+    return cast(dict[str, Any], json.loads(capsys.readouterr().out))
+
+
+def _kept_and_expected(data: dict[str, Any], threshold: float) -> tuple[set[str], set[str]]:
+    """The parameters the plan keeps, and those the measured figures at ``threshold`` name
+    (the plan's JSON carries the whole measurement, the kept candidates' figures too)."""
+    figures = data["advice"]["measured"]["figures"]
+    assert {f["kind"] for f in figures} >= {"router", "norm"}, figures
+    expected = {p for f in figures if f["effect"] >= threshold for p in f["params"]}
+    kept = {p["fqn"] for u in data["units"] for p in u["params"] if p["compute"] == "float32"}
+    return kept, expected
+
+
 @pytest.mark.fast
 def test_plan_measured_keeps_what_measures_above_the_threshold(
     saved: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``plan --advice measured``: the plan keeps exactly what the measurement ranks at or
     above 5% (the default threshold), and shows the figures."""
-    assert main(["plan", str(saved), "--advice", "measured", "--no-trace", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    figures = data["advice"]["measured"]["figures"]
-    expected = {f["pattern"] for f in figures if f["effect"] >= 0.05}
-    kept = {p["fqn"] for u in data["units"] for p in u["params"] if p["compute"] == "float32"}
-    advice = {a["pattern"]: set(a["params"]) for a in data["advice"]["advice"]}
-    assert kept == set().union(*(advice[p] for p in expected))
+    data = _plan_measured(saved, capsys)
+    kept, expected = _kept_and_expected(data, 0.05)
+    assert kept == expected
     assert "then the measured advice (effect >= 5%)" in data["rules"]
+
+
+@pytest.mark.fast
+def test_advice_threshold_moves_what_the_plan_keeps(
+    saved: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--advice-threshold``: 0 keeps every candidate that keeping helps at all, 1 only one
+    that removes all of bf16's KL alone; the two differ here, so the flag reached the rules."""
+    kept = {}
+    for threshold in (0.0, 1.0):
+        data = _plan_measured(saved, capsys, "--advice-threshold", str(threshold))
+        kept[threshold], expected = _kept_and_expected(data, threshold)
+        assert kept[threshold] == expected, threshold
+        assert f"then the measured advice (effect >= {threshold:.0%})" in data["rules"]
+    assert kept[0.0] > kept[1.0], kept
+    assert main(["plan", str(saved), "--advice", "measured", "--advice-threshold", "0", "--no-trace"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert re.search(r"kept +\d+ params  \*\.mlp\.gate\.weight\n.*experts change for", text), text
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--advice-threshold", "0.1"], "applies to --advice measured, but --advice is 'report'"),
+        (["--advice", "measured", "--advice-threshold", "5"], "--advice-threshold: "),
+        (["--advice", "measured", "--advice-threshold", "nan"], "use a share in [0, 1]"),
+    ],
+)
+def test_bad_advice_thresholds_are_one_line_errors(
+    saved: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(saved), "--no-trace", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 @pytest.mark.fast

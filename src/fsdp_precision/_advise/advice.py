@@ -128,23 +128,20 @@ class PrecisionAdvice:
         return {p for a in self.advice if a.kind in wanted for p in a.params}
 
     def only(self, params: Iterable[str]) -> PrecisionAdvice:
-        """The advice restricted to ``params`` (entries left with none dropped)."""
+        """The advice restricted to ``params`` (entries left with none dropped). The
+        measurement stays whole: it is of the model, and its figures say why the candidates
+        no longer listed (kept wider by a plan) were kept."""
         keep = set(params)
         advice = tuple(
             replace(a, params=tuple(p for p in a.params if p in keep)) for a in self.advice
         )
-        measured = self.measured
-        if measured is not None:
-            left = {a.pattern for a in advice if a.params}
-            figures = tuple(f for f in measured.figures if f.candidate.pattern in left)
-            measured = replace(measured, figures=figures)
         return PrecisionAdvice(
             tuple(a for a in advice if a.params),
             self.traced,
             self.covered,
             self.not_reached,
             self.stopped,
-            measured,
+            self.measured,
         )
 
     def kept_by_measure(self, threshold: float = MEASURED_THRESHOLD) -> tuple[Advice, ...]:
@@ -208,9 +205,12 @@ class PrecisionAdvice:
         for a in self.advice:
             lines.append(f"  {a.kind:<9} {len(a.params):>4} params  {a.rule}")
             lines.append(f"      {a.params[0]}: {a.reason}")
-            found = figures.get(a.pattern)
+            found = figures.pop(a.pattern, None)
             if found is not None:
                 lines.extend(f"      {line}" for line in found.lines(measured.dtype))
+        for pattern, found in figures.items():  # not listed: computes wider already
+            lines.append(f"  {'kept':<9} {len(found.candidate.params):>4} params  {pattern}")
+            lines.extend(f"      {line}" for line in found.lines(measured.dtype))
         lines.extend(f"  {line}" for line in measured.summary())
         return lines
 

@@ -130,6 +130,7 @@ class Figures:
         return {
             "pattern": self.candidate.pattern,
             "kind": self.candidate.kind,
+            "params": list(self.candidate.params),
             "module_error": self.module_error,
             "module_error_max": self.module_error_max,
             "flips": self.flips,

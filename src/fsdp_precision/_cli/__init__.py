@@ -60,13 +60,18 @@ def _add_advice(parser: argparse.ArgumentParser, *, measured: bool = False) -> N
         help="the precision advisor (a traced forward finds routers, log-space parameters, "
         "gains and norms that compute in bf16/fp16): report lists them under the plan, apply "
         "also keeps routers, log-space parameters and gains in fp32, "
-        + (
-            "measured keeps what --measure finds above 5%% of bf16's logits KL, "
-            if measured
-            else ""
-        )
+        + ("measured keeps what --measure finds above --advice-threshold, " if measured else "")
         + "off skips it (default: report)",
     )
+    if measured:
+        parser.add_argument(
+            "--advice-threshold",
+            type=float,
+            default=None,
+            metavar="SHARE",
+            help="with --advice measured: keep a candidate when keeping it alone removes at "
+            "least this share of bf16's logits KL, in [0, 1] (default: 0.05)",
+        )
 
 
 def _add_measure(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     units=args.units,
                     boundary=args.boundary,
                     advice=args.advice,
+                    advice_threshold=args.advice_threshold,
                     measure=args.measure,
                     data=args.data,
                     batches=args.batches,

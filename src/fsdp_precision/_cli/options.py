@@ -10,7 +10,14 @@ import torch.nn as nn
 
 from fsdp_precision._plan.units import accelerate_units, auto_wrap_units, default_units
 from fsdp_precision._policy.casts import BOUNDARIES, Boundary
-from fsdp_precision._rules.rules import ADVICE_MODES, AdviceMode, Glob, ModuleClass, PrecisionRules
+from fsdp_precision._rules.rules import (
+    ADVICE_MODES,
+    MEASURED_THRESHOLD,
+    AdviceMode,
+    Glob,
+    ModuleClass,
+    PrecisionRules,
+)
 from fsdp_precision._train.config import PRESETS
 
 __all__ = ["BOUNDARY_NAMES", "DTYPES", "UNITS", "parse_keep", "precision_rules", "units_of"]
@@ -41,14 +48,21 @@ def precision_rules(
     *,
     boundary: Boundary = "auto",
     advice: AdviceMode = "report",
+    advice_threshold: float | None = None,
     uncast_inputs: tuple[str, ...] = (),
 ) -> PrecisionRules:
     """The ``--precision`` preset with the ``--keep`` rules (``--boundary``) first, then
-    ``extra``; the advisor as ``--advice`` says; ``--uncast-inputs``."""
+    ``extra``; the advisor as ``--advice`` says (``--advice-threshold``: its measured
+    threshold); ``--uncast-inputs``."""
     if preset not in PRESETS:
         raise ValueError(f"--precision must be one of {', '.join(PRESETS)}, got {preset!r}")
     if advice not in ADVICE_MODES:
         raise ValueError(f"--advice must be one of {', '.join(ADVICE_MODES)}, got {advice!r}")
+    if advice_threshold is not None and advice != "measured":
+        raise ValueError(
+            f"--advice-threshold {advice_threshold} applies to --advice measured, but --advice is "
+            f"{advice!r}: add --advice measured or drop --advice-threshold"
+        )
     param_dtype, reduce_dtype = PRESETS[preset]
     rules = (*(parse_keep(k, boundary) for k in keep), *extra)
     try:
@@ -57,11 +71,14 @@ def precision_rules(
             reduce_dtype=reduce_dtype,
             rules=rules,
             advice=advice,
+            advice_threshold=MEASURED_THRESHOLD if advice_threshold is None else advice_threshold,
             uncast_inputs=uncast_inputs,
         )
     except ValueError as exc:
         if "uncast_inputs" in str(exc):
             raise ValueError(f"--uncast-inputs: {exc}") from None
+        if "advice_threshold" in str(exc):
+            raise ValueError(f"--advice-threshold: {exc}") from None
         raise
 
 

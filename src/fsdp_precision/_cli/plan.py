@@ -45,6 +45,7 @@ class PlanOptions:
     units: str = "size"
     boundary: str = "auto"
     advice: str = "report"
+    advice_threshold: float | None = None
     measure: bool = False
     data: str | None = None
     batches: int = 4
@@ -68,6 +69,7 @@ class PlanOptions:
             raise ValueError(
                 f"--boundary must be one of {', '.join(BOUNDARY_NAMES)}, got {self.boundary!r}"
             )
+        _rules(self)  # --precision, --keep, --advice(-threshold): refused before anything runs
 
 
 def _rules(opts: PlanOptions) -> PrecisionRules:
@@ -76,6 +78,7 @@ def _rules(opts: PlanOptions) -> PrecisionRules:
         opts.rules,
         boundary=opts.boundary,  # type: ignore[arg-type]
         advice=opts.advice,  # type: ignore[arg-type]
+        advice_threshold=opts.advice_threshold,
         uncast_inputs=opts.uncast_inputs,
     )
 
