@@ -3,6 +3,7 @@ summed over batches (:mod:`._advise.measure`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +49,18 @@ class EndSums:
     def add(self, reference: Any, output: Any) -> None:
         ref_main, ref_logits, ref_loss = _end(reference)
         main, logits, loss = _end(output)
-        self.diff += float((main.float() - ref_main.float()).pow(2).sum())
-        self.ref += float(ref_main.float().pow(2).sum())
+        for ref, out in _chunks(ref_main, main):
+            self.diff += float((out.float() - ref.float()).pow(2).sum())
+            self.ref += float(ref.float().pow(2).sum())
         if ref_logits is None or logits is None:
             self.logits = False
         else:
-            p = F.log_softmax(ref_logits.float().reshape(-1, ref_logits.shape[-1]), dim=-1)
-            q = F.log_softmax(logits.float().reshape(p.shape), dim=-1)
-            self.kl += float(F.kl_div(q, p, log_target=True, reduction="sum"))
-            self.flips += float((p.argmax(-1) != q.argmax(-1)).sum())
-            self.rows += p.shape[0]
+            for ref, out in _chunks(ref_logits, logits):
+                p = F.log_softmax(ref.float(), dim=-1)
+                q = F.log_softmax(out.float(), dim=-1)
+                self.kl += float(F.kl_div(q, p, log_target=True, reduction="sum"))
+                self.flips += float((p.argmax(-1) != q.argmax(-1)).sum())
+                self.rows += p.shape[0]
         if ref_loss is not None and loss is not None:
             self.losses.append(float(loss) - float(ref_loss))
 
@@ -69,6 +72,25 @@ class EndSums:
             output_error=(self.diff / self.ref) ** 0.5 if self.ref else 0.0,
             loss_delta=sum(self.losses) / len(self.losses) if self.losses else None,
         )
+
+
+#: Elements per compared chunk: a full-vocabulary output's fp32 copies (log-softmax, KL terms)
+#: take 64 MiB each at a time, not the whole output's size.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(ref: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``ref`` and ``out`` as rows of their last dimension, a bounded number at a time."""
+    if ref.shape != out.shape:
+        raise ValueError(
+            f"the model's output changed shape between configurations: {tuple(ref.shape)} "
+            f"against {tuple(out.shape)}"
+        )
+    width = ref.shape[-1] if ref.dim() else 1
+    ref, out = ref.reshape(-1, width), out.reshape(-1, width)
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    for start in range(0, ref.shape[0], step):
+        yield ref[start : start + step], out[start : start + step]
 
 
 def _end(output: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
