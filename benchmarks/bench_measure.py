@@ -2,7 +2,7 @@
 measure=True)`` beside one plain forward of the same model on the same batches.
 
     python benchmarks/bench_measure.py [--iters 2] [--hidden 512] [--layers 4] [--experts 16]
-        [--smoke]
+        [--vocab 8192] [--smoke]
 
 A Qwen3-MoE from its transformers config (fp32, random weights; about 63M parameters at the
 defaults) and 4 batches of 4 x 128 random tokens. Each variant runs in a fresh process, so its
@@ -17,8 +17,10 @@ reversed every other iteration:
 
 Reported: medians of the wall time after the build and of the peak memory above the
 process's memory after the build, and the measurement's extra peak over each forward's, in
-units of the model's fp32 bytes: what it holds beyond a forward (one module's bf16 copy at a
-time, the reference logits, a module run again), never a second model. ``--smoke``: a tiny
+units of the model's fp32 bytes and of one fp32 copy of a batch's logits: what it holds
+beyond a forward (one module's bf16 copy at a time, the reference logits and a configuration's,
+a module run again), never a second model. ``--vocab 151936`` (Qwen3's) makes the logits the
+largest thing held. ``--smoke``: a tiny
 model, one iteration. Prints JSON.
 """
 
@@ -53,7 +55,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import fsdp_precision as fp
 
     config = Qwen3MoeConfig(
-        vocab_size=8192, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         moe_intermediate_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
         num_experts=args.experts, num_experts_per_tok=2, max_position_embeddings=512,
@@ -62,7 +64,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model = Qwen3MoeForCausalLM(config)
     g = torch.Generator().manual_seed(1)
     seq = 32 if args.smoke else 128
-    ids = [torch.randint(0, 8192, (4, seq), generator=g) for _ in range(4)]
+    ids = [torch.randint(0, args.vocab, (4, seq), generator=g) for _ in range(4)]
     batches = [{"input_ids": x, "labels": x} for x in ids]
     if args.child == "forward_bf16":
         model = model.to(torch.bfloat16)
@@ -85,6 +87,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         "parameters": sum(p.numel() for p in model.parameters()),
         "candidates": figures,
+        "batch_logits_mib": batches[0]["input_ids"].numel() * args.vocab * 4 / 2**20,
     }
 
 
@@ -94,6 +97,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,7 +108,8 @@ def main() -> None:
         return
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     sizes = ["--hidden", str(args.hidden), "--layers", str(args.layers)]
-    sizes += ["--experts", str(args.experts)] + (["--smoke"] if args.smoke else [])
+    sizes += ["--experts", str(args.experts), "--vocab", str(args.vocab)]
+    sizes += ["--smoke"] if args.smoke else []
     for i in range(args.iters):
         for variant in VARIANTS if i % 2 == 0 else tuple(reversed(VARIANTS)):
             out = subprocess.run(
@@ -125,6 +130,7 @@ def main() -> None:
                 "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
                 "parameters": runs["measure"][0]["parameters"],
                 "model_mib": model_mib,
+                "batch_logits_mib": runs["measure"][0]["batch_logits_mib"],
                 "candidates": runs["measure"][0]["candidates"],
                 "iters": args.iters,
                 "median": median,
@@ -133,6 +139,10 @@ def main() -> None:
                 "extra_peak_over_model": (peak["measure"] - peak["forward"]) / model_mib,
                 "extra_peak_over_bf16_forward": (peak["measure"] - peak["forward_bf16"])
                 / model_mib,
+                "extra_peak_over_bf16_forward_in_batch_logits": (
+                    peak["measure"] - peak["forward_bf16"]
+                )
+                / runs["measure"][0]["batch_logits_mib"],
             },
             indent=2,
         )
