@@ -189,6 +189,64 @@ def test_one_ready_rule_per_kind_over_the_blocks() -> None:
     assert advice.rules() == (fp.Glob("*.gate.weight"),)
 
 
+class _ScaledNorm(nn.LayerNorm):
+    """A LayerNorm that also holds a projection's weight, read by ``linear`` (not a norm's)."""
+
+    def __init__(self) -> None:
+        super().__init__(W)
+        self.extra = nn.Parameter(torch.randn(W, W))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(super().forward(x), self.extra)
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.ln = norm() if norm is _ScaledNorm else nn.LayerNorm(W)
+        self.proj = nn.Linear(W, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.ln(x))
+
+
+class _NormStack(nn.Module):
+    """Blocks with a LayerNorm (weight and bias) before a biased projection, and a final norm."""
+
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_NormBlock(norm) for _ in range(2))
+        self.final = nn.LayerNorm(W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.final(x)
+
+
+def test_a_norms_weight_and_bias_are_one_rule_and_one_candidate() -> None:
+    """A LayerNorm's weight and bias: one glob over the module (what a user writes), measured
+    once with both kept (the emulation keeps a module whole), its bytes both parameters'."""
+    advice = fp.advise(_NormStack(nn.LayerNorm), [torch.randn(3, W)], measure=True)
+    assert {a.rule: a.params for a in advice.advice} == {
+        'Glob("*.ln.*")': ("blocks.0.ln.weight", "blocks.0.ln.bias", "blocks.1.ln.weight", "blocks.1.ln.bias"),
+        'Glob("final.*")': ("final.weight", "final.bias"),
+    }  # fmt: skip
+    assert advice.measured is not None
+    figures = {f.candidate.pattern: f for f in advice.measured.figures}
+    assert sorted(figures) == ["*.ln.*", "final.*"]
+    assert figures["final.*"].bytes_kept == 2 * W * 2  # two fp32 vectors over their bf16 size
+
+
+def test_a_module_glob_that_would_keep_another_parameter_is_not_used() -> None:
+    """The negative control: where the norm module also holds a parameter the trace read
+    without flagging, the module glob would keep it too; weight and bias stay two rules."""
+    advice = fp.advise(_NormStack(_ScaledNorm), torch.randn(3, W))
+    rules = {a.rule for a in advice.advice}
+    assert 'Glob("*.ln.weight")' in rules and 'Glob("*.ln.bias")' in rules, rules
+    assert not any("extra" in p for a in advice.advice for p in a.params)
+
+
 class _Stops(nn.Module):
     def __init__(self) -> None:
         super().__init__()

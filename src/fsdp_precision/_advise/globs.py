@@ -23,7 +23,8 @@ WHY: Mapping[Kind, str] = {
     "gain": "it scales activations: its rounding error scales every value it multiplies",
     "sinusoidal": "it reads sinusoidal features (sin/cos of a timestep or position): bf16 keeps "
     "3 significant digits of features whose fine differences encode the value",
-    "norm": "a norm weight (weaker: it scales normalised activations; keeping it is cheap)",
+    "norm": "a norm's weight or bias (weaker: it scales or shifts normalised activations; "
+    "keeping it is cheap)",
 }
 
 
@@ -88,7 +89,7 @@ def group_findings(
         if finding is not None:
             key = (finding.kind, _pattern(fqn, names, flagged))
             groups.setdefault(key, []).append(finding)
-    groups = _merged(groups, names, best, touched)
+    groups = _by_module(_merged(groups, names, best, touched), names, best, touched)
     ordered = sorted(
         groups.items(),
         key=lambda kv: (KINDS.index(kv[0][0]), names.index(kv[1][0].param)),
@@ -126,6 +127,38 @@ def _merged(
         else:
             merged.setdefault((kind, glob), everything)
     return merged
+
+
+def _by_module(
+    groups: dict[tuple[Kind, str], list[Finding]],
+    names: list[str],
+    best: dict[str, Finding],
+    touched: set[str],
+) -> dict[tuple[Kind, str], list[Finding]]:
+    """Groups of one kind over the same modules (a LayerNorm's weight and bias) as one, under
+    their common glob (``*.ln_1.*``) where it matches them and nothing the trace judged
+    otherwise: the rule a user writes, and one candidate to measure (a module is kept whole)."""
+    by_modules: dict[tuple[Kind, frozenset[str]], list[str]] = {}
+    for (kind, pattern), found in groups.items():
+        owners = frozenset(f.param.rpartition(".")[0] for f in found)
+        by_modules.setdefault((kind, owners), []).append(pattern)
+    out = dict(groups)
+    for (kind, _), patterns in by_modules.items():
+        if len(patterns) < 2:
+            continue
+        stem = _common_prefix(patterns).rpartition(".")[0]
+        found = [f for p in patterns for f in groups[(kind, p)]]
+        wanted = {f.param for f in found}
+        glob = f"{stem}.*" if stem and stem != "*" else None
+        matched = {n for n in names if glob and fnmatch.fnmatchcase(n, glob)}
+        if glob is None or not wanted <= matched:
+            continue
+        if any(n in touched or n in best for n in matched - wanted):
+            continue
+        for p in patterns:
+            del out[(kind, p)]
+        out[(kind, glob)] = sorted(found, key=lambda f: names.index(f.param))
+    return out
 
 
 def _one_glob(
