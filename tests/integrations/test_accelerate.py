@@ -331,6 +331,7 @@ def test_save_state_resumes_bitwise_in_a_fresh_launch(tmp_path: Path) -> None:
     stdout = accelerate_example("--output-dir", str(first), "--out", str(first / "out.pt"))
     assert "steps 1-4" in stdout and "resumed" not in stdout, stdout
     assert "equal the trained fp32 values" in stdout, stdout
+    assert "gates and norms gathered in fp32" in stdout, stdout
     saved = sorted(p.name for p in (first / "checkpoints").iterdir())
     assert saved == ["step_2", "step_4"], saved  # no temporary directory left
     step2 = sorted(p.name for p in (first / "checkpoints" / "step_2").iterdir())

@@ -469,7 +469,10 @@ def test_fabric_example_resumes_in_a_fresh_launch_bitwise_and_exports(tmp_path: 
     (a partial directory with a ``meta.pt``, which ``fabric.load`` would take) is not picked."""
     from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 
-    launch("--dir", str(tmp_path / "uninterrupted"), "--out", str(tmp_path / "uninterrupted.pt"))
+    whole = launch(
+        "--dir", str(tmp_path / "uninterrupted"), "--out", str(tmp_path / "uninterrupted.pt")
+    )
+    assert "kept in fp32, reloaded with the trained logits" in whole, whole[-2000:]
     run = tmp_path / "preempted"
     stopped = launch("--dir", str(run), "--stop-after", "2")
     assert "stopped after step 2's checkpoint" in stopped, stopped

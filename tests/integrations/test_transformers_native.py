@@ -210,6 +210,7 @@ def test_native_fsdp_resumes_bitwise_in_a_fresh_launch_and_exports(tmp_path: Pat
     preempted = launch("--output-dir", tmp_path / "parted", "--stop-after", "3")
     resumed = launch("--output-dir", tmp_path / "parted")
     assert "started fresh, trained steps 1-4" in whole, whole[-2000:]
+    assert "on transformers' FSDP2" in whole, whole[-2000:]  # the gates' gather, the example's
     assert "started fresh, trained steps 1-3; preempted" in preempted, preempted[-2000:]
     assert "resumed from step 2, trained steps 3-4" in resumed, resumed[-2000:]
     assert digest(resumed) == digest(whole)

@@ -160,6 +160,16 @@ def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return make_runs(tmp_path_factory.mktemp("trl-lora"), "--lora")
 
 
+def test_the_straight_run_gathers_the_gates_in_fp32(runs: Runs) -> None:
+    """The example's own check, printed by the uninterrupted run (the launch
+    ``tests/project/test_examples.py`` leaves to this module)."""
+    assert "gathered in fp32 (router gates)" in runs.whole, runs.whole[-2000:]
+
+
+def test_the_straight_lora_run_gathers_the_gates_and_adapters_in_fp32(lora_runs: Runs) -> None:
+    assert "gathered in fp32 (router gates, adapters)" in lora_runs.whole, lora_runs.whole[-2000:]
+
+
 def digest(stdout: str) -> str:
     found = re.findall(r"parameters sha256 ([0-9a-f]{16})", stdout)
     assert len(found) == 1, stdout[-2000:]
