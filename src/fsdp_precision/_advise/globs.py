@@ -149,11 +149,8 @@ def _by_module(
         stem = _common_prefix(patterns).rpartition(".")[0]
         found = [f for p in patterns for f in groups[(kind, p)]]
         wanted = {f.param for f in found}
-        glob = f"{stem}.*" if stem and stem != "*" else None
-        matched = {n for n in names if glob and fnmatch.fnmatchcase(n, glob)}
-        if glob is None or not wanted <= matched:
-            continue
-        if any(n in touched or n in best for n in matched - wanted):
+        glob = f"{stem}.*"
+        if not stem or stem == "*" or not _keeps_only(glob, wanted, names, best, touched):
             continue
         for p in patterns:
             del out[(kind, p)]
@@ -173,12 +170,16 @@ def _one_glob(
     if len(stem) > 3:
         candidates.append("*." + stem + "*")
     wanted = set(params)
-    for glob in candidates:
-        matched = {n for n in names if fnmatch.fnmatchcase(n, glob)}
-        stray = {n for n in matched - wanted if n in touched or n in best}
-        if wanted <= matched and not stray:
-            return glob
-    return None
+    return next((g for g in candidates if _keeps_only(g, wanted, names, best, touched)), None)
+
+
+def _keeps_only(
+    glob: str, wanted: set[str], names: list[str], best: dict[str, Finding], touched: set[str]
+) -> bool:
+    """``glob`` matches every parameter in ``wanted`` and none the trace read or judged
+    otherwise."""
+    matched = {n for n in names if fnmatch.fnmatchcase(n, glob)}
+    return wanted <= matched and not any(n in touched or n in best for n in matched - wanted)
 
 
 def _common_suffix(values: list[str]) -> str:
