@@ -2,7 +2,12 @@
 is the same ``RankMismatchError`` on every rank, within seconds, before anything is sharded, not
 a gloo abort ("Received data size doesn't match expected size") or an NCCL hang. Through the
 per-call policy, ``model_policy`` and a plan; one 16-byte all-gather per call when they agree;
-off with ``apply_param_dtype_map_patch(check_ranks=False)`` (the negative control)."""
+off with ``apply_param_dtype_map_patch(check_ranks=False)`` (the negative control).
+
+The same cases run with the ranks as threads of one process (torch's threaded process group, as
+PyTorch's own ``FSDPTestMultiThread`` tests run): calls are told apart per process group, not
+numbered per process, so ranks sharing a process agree, and ranks that made different numbers of
+calls on other groups (a sub-mesh only some ranks hold) agree too."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -35,17 +41,19 @@ def seq() -> nn.Sequential:
 @contextmanager
 def every_rank_raises(
     match: str, error: type[Exception] = RankMismatchError, same: bool = True
-) -> Iterator[None]:
+) -> Iterator[list[str]]:
     """The block raises ``error`` on this rank within seconds, and (``same``) every rank got
-    the same message."""
+    the same message; the message is appended to the list the block receives."""
     start = time.monotonic()
+    seen: list[str] = []
     with pytest.raises(error, match=match) as caught:
-        yield
+        yield seen
     assert time.monotonic() - start < SECONDS
     messages: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, str(caught.value))
     if same:
         assert len(set(messages)) == 1, messages
+    seen.append(str(caught.value))
 
 
 def unsharded(model: nn.Module) -> bool:
@@ -59,7 +67,7 @@ def case_one_rank_maps_one_more_parameter() -> None:
         param_dtype=bf16, reduce_dtype=fp32, param_dtype_map={"1.weight": fp32, **extra}
     )
     with every_rank_raises(
-        r"fully_shard call #\d+ differs across ranks: rank 1 resolved something other than "
+        r"fully_shard call #\d+ over ranks \[0, 1\] differs across ranks: rank 1 resolved something other than "
         r"rank 0: parameter #3: '1.bias' \[8\] float32 -> float32 \(mapped\) where the other has "
         r"'1.bias' \[8\] float32 -> bfloat16\. A map must be the same on every rank"
     ):
@@ -145,9 +153,48 @@ def case_negative_control_without_the_check_construction_succeeds() -> None:
         fp.apply_param_dtype_map_patch(check_ranks=True)
 
 
+def case_calls_on_a_group_only_one_rank_holds_do_not_shift_the_others() -> None:
+    # Rank 0 first wraps a model of its own over a one-rank group; then both ranks wrap the
+    # same model over the world: they agree. (Numbered per process, rank 0's world call was its
+    # second and rank 1's its first: a false RankMismatchError.)
+    own = dist.new_group([0])  # every rank creates every group; only rank 0 belongs to it
+    if dist.get_rank() == 0:
+        mesh = DeviceMesh.from_group(own, "cpu")
+        policy = ParamDtypeMixedPrecisionPolicy(bf16, fp32, param_dtype_map={"weight": fp32})
+        fully_shard(nn.Linear(8, 8), mesh=mesh, mp_policy=policy)
+    model = seq()
+    fully_shard(
+        model,
+        mp_policy=ParamDtypeMixedPrecisionPolicy(bf16, fp32, param_dtype_map={"1.weight": fp32}),
+    )
+    assert not unsharded(model)
+
+
+def case_a_call_is_named_by_its_number_on_its_group() -> None:
+    # A differing call, an agreeing one, and the differing one again: numbered two apart, the
+    # same number on every rank (every_rank_raises checks the messages are equal).
+    map_ = {"1.bias": fp32} if dist.get_rank() == 1 else {}
+    numbers = []
+    for agreeing in (False, True, False):
+        if agreeing:
+            fully_shard(seq(), mp_policy=MixedPrecisionPolicy(bf16, fp32))
+            continue
+        with every_rank_raises(r"^fully_shard call #\d+ over ranks \[0, 1\] differs") as seen:
+            fully_shard(
+                seq(), mp_policy=ParamDtypeMixedPrecisionPolicy(bf16, fp32, param_dtype_map=map_)
+            )
+        numbers.append(int(seen[0].split("#")[1].split()[0]))
+    assert numbers[1] == numbers[0] + 2, numbers
+
+
 CASES = collect_cases(globals())
+# Flipping the process-wide check mid-case cannot be done by one thread for itself.
+THREAD_CASES = [
+    c for c in CASES if c != "case_negative_control_without_the_check_construction_succeeds"
+]
 
 results, test_agree = distributed_suite(2, __name__, CASES)
+results_threads, test_agree_threads = distributed_suite(2, __name__, THREAD_CASES, threads=True)
 
 
 def test_check_ranks_takes_only_a_bool() -> None:

@@ -2,6 +2,13 @@
 
 A test module lists its case functions; a module-scoped fixture spawns ``world_size`` processes
 once, every rank runs every case in order, and each pytest test asserts one case's outcome.
+
+The same cases run with the ranks as threads of one spawned process (``threads=True``: torch's
+threaded process group, as PyTorch's own ``FSDPTestMultiThread`` tests run), each case in a
+fresh group, so a case that fails on one rank leaves the next case a working group. With
+``patch=False`` the ranks run on torch's own FSDP2, the library's patch never applied. A case
+may return a JSON value (digests of outputs and gradients, recorded collectives):
+:func:`case_values` gives each rank's, for comparing a patched run with torch alone.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -32,30 +40,51 @@ OK = "ok"
 SKIP = "skip: "
 
 
+CASE_SECONDS = 120  # a thread rank still running a case after this is stuck in a collective
+_values: dict[tuple[str, bool, bool], dict[str, list[Any]]] = {}
+
+
+def _run_case(mod: Any, name: str, rank: int) -> tuple[str, Any]:
+    """One case on this rank: its outcome ("ok", "skip: ...", or the traceback) and value."""
+    try:
+        value = getattr(mod, name)()
+        json.dumps(value)  # a case's value must travel to the test
+        return OK, value
+    except pytest.skip.Exception as exc:
+        return f"{SKIP}{exc.msg}", None
+    except BaseException:  # noqa: BLE001 - reported to the parent test
+        return f"rank {rank}: " + traceback.format_exc(), None
+
+
+def _write(out: str, rank: int, results: dict[str, str], values: dict[str, Any]) -> None:
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"results": results, "values": values}))
+
+
 def _worker(
-    rank: int, world_size: int, port: int, module: str, cases: Sequence[str], out: str
+    rank: int,
+    world_size: int,
+    port: int,
+    module: str,
+    cases: Sequence[str],
+    out: str,
+    patch: bool = True,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    fp.apply_param_dtype_map_patch()
+    if patch:
+        fp.apply_param_dtype_map_patch()
     mod = importlib.import_module(module)
     results: dict[str, str] = {}
+    values: dict[str, Any] = {}
     healthy = True
     for name in cases:
         if not healthy:
             results[name] = "not run: an earlier case left the process group unusable"
             continue
-        try:
-            getattr(mod, name)()
-            results[name] = OK
-        except pytest.skip.Exception as exc:
-            results[name] = f"{SKIP}{exc.msg}"
-        except BaseException:  # noqa: BLE001 - reported to the parent test
-            results[name] = f"rank {rank}: " + traceback.format_exc()
-        finally:
-            if not fp.is_param_dtype_map_patch_applied():
-                fp.apply_param_dtype_map_patch()
+        results[name], values[name] = _run_case(mod, name, rank)
+        if patch and not fp.is_param_dtype_map_patch_applied():
+            fp.apply_param_dtype_map_patch()
         # The case's FSDP models (reference cycles) are freed here, at a known point between
         # collectives, not by a later automatic collection in the middle of another case.
         gc.collect()
@@ -64,7 +93,7 @@ def _worker(
         except Exception:  # noqa: BLE001
             healthy = False
         # Written after every case: a rank that dies later still reports what it finished.
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        _write(out, rank, results, values)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -72,35 +101,106 @@ def _worker(
     os._exit(0)  # no interpreter shutdown: gloo's thread destructors can abort a finished rank
 
 
-def run_cases(world_size: int, module: str, cases: Sequence[str]) -> dict[str, str]:
-    """Spawn ``world_size`` ranks running ``module``'s ``cases``; return case -> "ok" or error."""
+def _thread_worker(
+    _: int, world_size: int, module: str, cases: Sequence[str], out: str, patch: bool
+) -> None:
+    """The ranks as threads of this one process: each case in a fresh threaded process group
+    (torch's, as ``MultiThreadedTestCase`` sets it up), every rank a thread."""
+    from torch.testing._internal.distributed.multi_threaded_pg import (  # lazy: test-only torch
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    torch.set_num_threads(1)
+    if patch:
+        fp.apply_param_dtype_map_patch()
+    mod = importlib.import_module(module)
+    results: list[dict[str, str]] = [{} for _ in range(world_size)]
+    values: list[dict[str, Any]] = [{} for _ in range(world_size)]
+    stuck = ""
+    for name in cases:
+        if stuck:
+            for rank in range(world_size):
+                results[rank][name] = f"not run: {stuck}"
+            continue
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        _install_threaded_pg()
+        store = dist.HashStore()
+
+        def rank_thread(rank: int, name: str = name, store: dist.Store = store) -> None:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            try:
+                results[rank][name], values[rank][name] = _run_case(mod, name, rank)
+                if results[rank][name] != OK and not results[rank][name].startswith(SKIP):
+                    # wake the other ranks from a collective this rank will never join
+                    ProcessLocalGroup.exception_handle(RuntimeError(results[rank][name]))
+            finally:
+                dist.destroy_process_group()
+
+        threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(CASE_SECONDS)
+        if any(thread.is_alive() for thread in threads):
+            stuck = f"case {name} did not finish within {CASE_SECONDS} s on every thread"
+            for rank in range(world_size):
+                results[rank].setdefault(name, stuck)
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        gc.collect()
+        for rank in range(world_size):
+            _write(out, rank, results[rank], values[rank])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_cases(
+    world_size: int,
+    module: str,
+    cases: Sequence[str],
+    *,
+    threads: bool = False,
+    patch: bool = True,
+) -> dict[str, str]:
+    """Run ``module``'s ``cases`` on ``world_size`` ranks: spawned gloo processes, or
+    (``threads``) threads of one spawned process; return case -> "ok" or the error. ``patch``:
+    whether the ranks run with the library's patch applied. Each rank's returned values are
+    kept for :func:`case_values`."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as out:
         try:
-            mp.start_processes(
-                _worker,
-                args=(world_size, free_port(), module, list(cases), out),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
+            if threads:
+                args: tuple[Any, ...] = (world_size, module, list(cases), out, patch)
+                mp.start_processes(_thread_worker, args=args, nprocs=1, start_method="spawn")
+            else:
+                args = (world_size, free_port(), module, list(cases), out, patch)
+                mp.start_processes(_worker, args=args, nprocs=world_size, start_method="spawn")
             crashed = ""
         except Exception as exc:  # noqa: BLE001
             crashed = f"a rank crashed: {exc}"
+        reports = [
+            json.loads(path.read_text()) if path.exists() else {"results": {}, "values": {}}
+            for path in (Path(out, f"rank{rank}.json") for rank in range(world_size))
+        ]
         merged: dict[str, str] = {}
         for name in cases:
-            outcomes = []
-            for rank in range(world_size):
-                path = Path(out, f"rank{rank}.json")
-                outcomes.append(
-                    json.loads(path.read_text()).get(name, crashed or "missing")
-                    if path.exists()
-                    else crashed or "missing"
-                )
+            outcomes = [r["results"].get(name, crashed or "missing") for r in reports]
             failures = [o for o in outcomes if o != OK and not o.startswith(SKIP)]
             skips = [o for o in outcomes if o.startswith(SKIP)]
             merged[name] = failures[0] if failures else (skips[0] if skips else OK)
+        _values[(module, threads, patch)] = {
+            name: [r["values"].get(name) for r in reports] for name in cases
+        }
         return merged
+
+
+def case_values(module: str, *, threads: bool = False, patch: bool = True) -> dict[str, list[Any]]:
+    """What each case returned on each rank, in the last :func:`run_cases` of that kind."""
+    return _values[(module, threads, patch)]
 
 
 def check(result: str) -> None:
@@ -110,21 +210,31 @@ def check(result: str) -> None:
     assert result == OK, result
 
 
-def distributed_suite(world_size: int, module: str, cases: Sequence[str]) -> tuple[Any, Any]:
+def distributed_suite(
+    world_size: int,
+    module: str,
+    cases: Sequence[str],
+    *,
+    threads: bool = False,
+    patch: bool = True,
+) -> tuple[Any, Any]:
     """A module's distributed tests: ``results, test_x = distributed_suite(2, __name__, CASES)``.
 
     Returns a module-scoped fixture that spawns the group once and a parametrized test that
-    checks one case each.
+    checks one case each. One module may hold several suites of different kinds (``threads``,
+    ``patch``, see :func:`run_cases`): the fixture is named ``results`` for the default kind,
+    ``results_threads``, ``results_unpatched``, ``results_threads_unpatched`` otherwise.
     """
+    name = "results" + ("_threads" if threads else "") + ("" if patch else "_unpatched")
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module", name=name)
     def results() -> dict[str, str]:
-        return run_cases(world_size, module, cases)
+        return run_cases(world_size, module, cases, threads=threads, patch=patch)
 
     @pytest.mark.distributed
     @pytest.mark.parametrize("case", cases)
-    def test_case(results: dict[str, str], case: str) -> None:
-        check(results[case])
+    def test_case(request: pytest.FixtureRequest, case: str) -> None:
+        check(request.getfixturevalue(name)[case])
 
     return results, test_case
 

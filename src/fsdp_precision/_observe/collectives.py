@@ -8,6 +8,7 @@ that is ``Partial`` over a TP mesh dim) and forwards every call unchanged.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,53 +71,29 @@ class CollectiveRecorder:
     >>> with CollectiveRecorder() as rec:  # doctest: +SKIP
     ...     loss = model(x).sum(); loss.backward()
     >>> rec.count("all_gather")  # doctest: +SKIP
+
+    Where the ranks are threads of one process (torch's threaded process group), each rank's
+    recorder sees its own rank's calls: a call goes to the recorders entered in the thread that
+    issues it, and only a call from a thread that entered none (autograd's device threads on a
+    GPU) goes to every recorder active in the process.
     """
 
     calls: list[Collective] = field(default_factory=list)
-    _saved: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
-
-    def _wrap(self, name: str, kind: str, arg: str) -> Callable[..., Any]:
-        original = getattr(dist, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            tensor = kwargs.get(arg)
-            if tensor is None:
-                tensor = args[1] if kind != "all_reduce" else args[0]
-            group = kwargs.get("group")
-            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            self.calls.append(
-                Collective(kind, tensor.dtype, tensor.numel() * tensor.element_size(), size)
-            )
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    def _wrap_functional(self, name: str, kind: str, at: int) -> Callable[..., Any]:
-        original = getattr(funcol, name)
-
-        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group", args[at] if len(args) > at else None)
-            nbytes = tensor.numel() * tensor.element_size()
-            self.calls.append(Collective(kind, tensor.dtype, nbytes, _size(group), True))
-            return original(tensor, *args, **kwargs)
-
-        return wrapper
 
     def __enter__(self) -> CollectiveRecorder:
-        for name, (kind, arg) in _WRAPPED.items():
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, kind, arg))
-        for name, (kind, at) in _FUNCTIONAL.items():
-            self._saved["funcol." + name] = getattr(funcol, name)
-            setattr(funcol, name, self._wrap_functional(name, kind, at))
+        with _lock:
+            if not _active:
+                _install()
+            _active.append(self)
+        _entered().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            owner, _, attr = name.rpartition(".")
-            setattr(funcol if owner == "funcol" else dist, attr, original)
-        self._saved.clear()
+        _entered().remove(self)
+        with _lock:
+            _active.remove(self)
+            if not _active:
+                _uninstall()
 
     def of(self, kind: str, *, functional: bool = False) -> list[Collective]:
         """The recorded calls of one kind, in order: FSDP's own (``torch.distributed``'s), or
@@ -130,6 +107,70 @@ class CollectiveRecorder:
     def clear(self) -> None:
         """Forget what was recorded so far (keep recording)."""
         self.calls.clear()
+
+
+# One set of wrappers per process, in place while any recorder is active; each call is appended
+# to the recorders that should see it (_recipients).
+_lock = threading.Lock()
+_active: list[CollectiveRecorder] = []
+_originals: dict[str, Callable[..., Any]] = {}
+_local = threading.local()
+
+
+def _entered() -> list[CollectiveRecorder]:
+    """The recorders entered in this thread, innermost last."""
+    entered: list[CollectiveRecorder] | None = getattr(_local, "recorders", None)
+    if entered is None:
+        entered = _local.recorders = []
+    return entered
+
+
+def _record(call: Collective) -> None:
+    mine = _entered()
+    with _lock:
+        recipients = list(mine) if mine else list(_active)
+    for recorder in recipients:
+        recorder.calls.append(call)
+
+
+def _install() -> None:
+    for name, (kind, arg) in _WRAPPED.items():
+        if hasattr(dist, name):
+            _originals[name] = getattr(dist, name)
+            setattr(dist, name, _wrap(_originals[name], kind, arg))
+    for name, (kind, at) in _FUNCTIONAL.items():
+        _originals["funcol." + name] = getattr(funcol, name)
+        setattr(funcol, name, _wrap_functional(getattr(funcol, name), kind, at))
+
+
+def _uninstall() -> None:
+    for name, original in _originals.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(funcol if owner == "funcol" else dist, attr, original)
+    _originals.clear()
+
+
+def _wrap(original: Callable[..., Any], kind: str, arg: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensor = kwargs.get(arg)
+        if tensor is None:
+            tensor = args[1] if kind != "all_reduce" else args[0]
+        group = kwargs.get("group")
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        _record(Collective(kind, tensor.dtype, tensor.numel() * tensor.element_size(), size))
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_functional(original: Callable[..., Any], kind: str, at: int) -> Callable[..., Any]:
+    def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[at] if len(args) > at else None)
+        nbytes = tensor.numel() * tensor.element_size()
+        _record(Collective(kind, tensor.dtype, nbytes, _size(group), True))
+        return original(tensor, *args, **kwargs)
+
+    return wrapper
 
 
 def _size(group: Any) -> int:

@@ -71,15 +71,14 @@ def init_param_group(
     """Resolve the map before ``FSDPParamGroup`` shards anything, then hand it to torch."""
     original = registry.original(_fs, "_init_param_group")
     mp_policy = bind_mp_policy(args, kwargs)
-    call = registry.next_call()
     try:
         check_grad_dtype(registry.traits(), modules, params)
         _check_input_cast(state, mp_policy)
     except ParamDtypeMapError as exc:
-        _refuse(call, state, modules, params, args, mp_policy, exc)
+        _refuse(state, modules, params, args, mp_policy, exc)
         raise
     if not needs_resolution(mp_policy):
-        _agree(call, state, modules, params, args, None, mp_policy)
+        _agree(state, modules, params, args, None, mp_policy)
         original(state, params, modules, *args, **kwargs)
         take_input_cast(state, modules, mp_policy)
         return None
@@ -91,9 +90,9 @@ def init_param_group(
         if not native and not release.keeps_requires_grad:
             check_manageable(params, resolved.fqns)
     except ParamDtypeMapError as exc:
-        _refuse(call, state, modules, params, args, mp_policy, exc)
+        _refuse(state, modules, params, args, mp_policy, exc)
         raise
-    _agree(call, state, modules, params, args, resolved, mp_policy)
+    _agree(state, modules, params, args, resolved, mp_policy)
     if not resolved.by_param:  # nothing this call manages is mapped: torch's exact path
         original(state, params, modules, *args, **kwargs)
         _after_call(mp_policy, resolved, modules)
@@ -118,7 +117,6 @@ def init_param_group(
 
 
 def _refuse(
-    call: int,
     state: Any,
     modules: tuple[nn.Module, ...],
     params: list[nn.Parameter],
@@ -129,14 +127,13 @@ def _refuse(
     """A refused call: the other ranks stop too, rather than wait for this one; FSDP's
     registration is undone, so the call can be retried."""
     try:
-        _agree(call, state, modules, params, args, None, policy, refusal=str(exc))
+        _agree(state, modules, params, args, None, policy, refusal=str(exc))
     except RankMismatchError:
         pass
     undo_state_init(state, modules)
 
 
 def _agree(
-    call: int,
     state: Any,
     modules: tuple[nn.Module, ...],
     params: list[nn.Parameter],
@@ -157,7 +154,7 @@ def _agree(
     names = resolved.fqns if resolved is not None else _local_names(modules)
     compute = resolved.by_param if resolved is not None else {}
     record = call_record(
-        call, modules, params, names, compute, (policy.param_dtype, policy.reduce_dtype), refusal
+        modules, params, names, compute, (policy.param_dtype, policy.reduce_dtype), refusal
     )
     try:
         agree(record, groups, device)

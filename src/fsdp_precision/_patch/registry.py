@@ -17,7 +17,6 @@ __all__ = [
     "compiled_autograd_enabled",
     "install",
     "is_installed",
-    "next_call",
     "original",
     "traits",
     "uninstall",
@@ -33,7 +32,6 @@ class _Registry:
         self.originals: dict[tuple[Any, str], Any] = {}
         self.installed: list[Replacement] = []
         self.traits: ReleaseTraits | None = None
-        self.calls = 0  # fully_shard calls made while installed, on this rank
 
     def install(self, replacements: Sequence[Replacement], traits: ReleaseTraits) -> None:
         if self.originals:
@@ -53,7 +51,6 @@ class _Registry:
             replacement.__dict__.pop("__wrapped__", None)
         for (owner, name), function in list(self.originals.items()):
             setattr(owner, name, function)
-        self.calls = 0
         self.originals.clear()
         self.installed = []
         self.traits = None
@@ -91,12 +88,6 @@ def traits() -> ReleaseTraits:
     """The traits of the installed release (only called by installed replacements)."""
     assert _registry.traits is not None, "called while the patch is not installed"
     return _registry.traits
-
-
-def next_call() -> int:
-    """The index of this ``fully_shard`` call among this rank's calls since installation."""
-    _registry.calls += 1
-    return _registry.calls - 1
 
 
 def compiled_autograd_enabled() -> bool:

@@ -5,16 +5,25 @@ on one rank, a file read on rank 0 only) makes the ranks build all-gather buffer
 sizes: gloo aborts the process ("Received data size doesn't match expected size"), NCCL hangs
 until its watchdog. So each call, while the patch is installed, describes what it resolved (per
 managed parameter: its local name, shape, storage and compute dtypes, whether it trains; the
-call's modules and policy dtypes; the call's index on this rank) and the ranks of its mesh
-compare a 16-byte digest of it with one small all-gather. Where the digests differ, or a rank
-refused the call, the descriptions are gathered and every rank raises the same
-:class:`~fsdp_precision._base.errors.RankMismatchError`, naming the ranks and the first entry
-that differs. Pure public torch (``torch.distributed``).
+call's modules and policy dtypes) and the ranks of its mesh compare a 16-byte digest of it with
+one small all-gather. Where the digests differ, or a rank refused the call, the descriptions are
+gathered and every rank raises the same :class:`~fsdp_precision._base.errors.RankMismatchError`,
+naming the ranks and the first entry that differs. Pure public torch (``torch.distributed``).
+
+Which call is compared with which needs no numbering: the agreement is itself a collective on
+the call's group, so the ``n``-th call that checks over a group meets the ``n``-th on every other
+rank of it, whatever the rank did on other groups. The digest is therefore only what the call
+resolved; the call's number in messages is counted per process group object, which is right per
+rank where the ranks are threads of one process (torch's threaded process group gives each
+thread its own group objects) and ignores calls a rank made on other groups (a sub-mesh only
+some ranks hold).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +37,10 @@ from fsdp_precision._base.errors import RankMismatchError
 __all__ = ["CallRecord", "agree", "call_record", "checking", "set_checking"]
 
 _checking = True  # apply_param_dtype_map_patch(check_ranks=...)
+# Checked calls per process group (its identity: a thread of torch's threaded process group has
+# its own group objects); only names a call in messages.
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_calls_lock = threading.Lock()
 
 
 def set_checking(enabled: bool) -> None:
@@ -46,27 +59,23 @@ class CallRecord:
     """What one rank resolved for one ``fully_shard`` call.
 
     Attributes:
-        call: The call's index among this rank's ``fully_shard`` calls since the patch was
-            installed.
         head: The call's modules and policy, one line.
         entries: One line per managed parameter, in the order the call manages them.
         refusal: This rank refused the call: its error's message. (Default: ``""``)
     """
 
-    call: int
     head: str
     entries: tuple[str, ...]
     refusal: str = ""
 
     def digest(self) -> list[int]:
         """Two int64 of the record's SHA-256 (what the ranks compare)."""
-        text = "\n".join((str(self.call), self.head, *self.entries, self.refusal))
+        text = "\n".join((self.head, *self.entries, self.refusal))
         raw = hashlib.sha256(text.encode()).digest()
         return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)]
 
 
 def call_record(
-    call: int,
     modules: Sequence[nn.Module],
     params: Sequence[nn.Parameter],
     names: Mapping[int, Sequence[str]],
@@ -91,7 +100,7 @@ def call_record(
             f"{' (mapped)' if mapped is not None else ''}"
             f"{'' if param.requires_grad else ' (frozen)'}"
         )
-    return CallRecord(call, head, tuple(entries), refusal)
+    return CallRecord(head, tuple(entries), refusal)
 
 
 def agree(
@@ -104,6 +113,7 @@ def agree(
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             continue
         size = dist.get_world_size(group)
+        call = _next_call(group)
         mine = torch.tensor(record.digest(), dtype=torch.int64, device=device)
         gathered = torch.empty(size * 2, dtype=torch.int64, device=device)
         _all_gather(gathered, mine, group=group)
@@ -113,7 +123,15 @@ def agree(
         records: list[CallRecord | None] = [None] * size
         dist.all_gather_object(records, record, group=group)
         ranks = dist.get_process_group_ranks(group)
-        raise RankMismatchError(_message([r for r in records if r is not None], ranks))
+        raise RankMismatchError(_message(call, [r for r in records if r is not None], ranks))
+
+
+def _next_call(group: dist.ProcessGroup) -> int:
+    """The number of this checked call among those over ``group`` (the same on its every rank)."""
+    with _calls_lock:
+        call = _calls.get(group, 0)
+        _calls[group] = call + 1
+    return call
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -124,14 +142,13 @@ def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessG
     gather(output, tensor, group=group)
 
 
-def _message(records: list[CallRecord], ranks: list[int]) -> str:
-    call = records[0].call
+def _message(call: int, records: list[CallRecord], ranks: list[int]) -> str:
     refused = [(rank, r.refusal) for rank, r in zip(ranks, records, strict=True) if r.refusal]
     if refused:
         rank, why = refused[0]
         others = [r for r, rec in zip(ranks, records, strict=True) if not rec.refusal]
         return (
-            f"fully_shard call #{call} differs across ranks: rank {rank} refused it ({why}); "
+            f"{_call(call, ranks)} differs across ranks: rank {rank} refused it ({why}); "
             + (f"ranks {others} did not. " if others else "")
             + "Every rank stops here, before anything is sharded"
         )
@@ -141,18 +158,20 @@ def _message(records: list[CallRecord], ranks: list[int]) -> str:
             continue
         what = _first_difference(base, other)
         return (
-            f"fully_shard call #{call} differs across ranks: rank {rank} resolved something "
+            f"{_call(call, ranks)} differs across ranks: rank {rank} resolved something "
             f"other than rank {base_rank}: {what}. A map must be the same on every rank (a "
             "rule reading a rank-dependent value, a model built differently on one rank, or a "
             "file read on rank 0 only make them differ); every rank stops here, before "
             "anything is sharded"
         )
-    return f"fully_shard call #{call} differs across ranks"  # digests collided: never seen
+    return f"{_call(call, ranks)} differs across ranks"  # digests collided: never seen
+
+
+def _call(call: int, ranks: list[int]) -> str:
+    return f"fully_shard call #{call} over ranks {ranks}"
 
 
 def _first_difference(a: CallRecord, b: CallRecord) -> str:
-    if a.call != b.call:
-        return f"it is that rank's call #{b.call}"
     if a.head != b.head:
         return f"{b.head!r} where the other has {a.head!r}"
     for i, (x, y) in enumerate(zip(a.entries, b.entries, strict=False)):
