@@ -7,8 +7,12 @@ Tiers, each runnable alone (the README's ``./dev test`` runs them all):
 - ``integration``: the real framework packages (``tests/integrations/``);
 - ``slow``: opt-in (``pytest -m slow``), released model sizes; skipped otherwise.
 
+Across them, ``conformance`` (``tests/conformance/``): the library's ports of PyTorch's own FSDP2
+tests and of the seed's edge cases, on spawned gloo ranks and on threads of one process (torch's
+threaded process group), with the patch applied and on torch alone.
+
 Every test gets the markers of its tier here: ``pytest -m fast``, ``-m distributed``,
-``-m integration``.
+``-m integration``, ``-m conformance``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import fsdp_precision as fp
 from fsdp_precision._base.dist import free_port
 
 _INTEGRATIONS = Path(__file__).parent / "integrations"
+_CONFORMANCE = Path(__file__).parent / "conformance"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,6 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords and not opted_in:
             item.add_marker(pytest.mark.skip(reason="opt-in: released sizes, run with -m slow"))
+        if _CONFORMANCE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.conformance)
         if _INTEGRATIONS in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
         elif "distributed" not in item.keywords:

@@ -10,13 +10,17 @@ tied parameter shared by two modules of one ``fully_shard([...])`` call under HS
 Upstream's counts are the contract: a unit whose kept norms and router gather in fp32 beside
 bf16 weights still issues exactly one all-gather and one reduce-scatter, in every
 ``reshard_after_forward`` mode. Each count is checked on the plain ``MixedPrecisionPolicy``
-layout too (``kind="upstream"``), so a count that changed with the release fails both.
+layout too (``kind="upstream"``), so a count that changed with the release fails both. Every
+case runs on spawned gloo ranks and on threads, with the patch and on torch alone
+(``conformance_suites``); on torch alone only the upstream layout, and the cases that exist for
+what only the library does say so and skip.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -26,9 +30,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import fsdp_precision as fp
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe, wrap_separate_units
 
-from tests.conformance.test_upstream_ported import MLP, check_sharded_parity, make_policy
+from tests.conformance.kinds import kinds as policy_kinds
+from tests.conformance.kinds import policy
+from tests.conformance.test_upstream_ported import MLP, check_sharded_parity
 from tests.patch.test_parity import STD, wrap_children, wrap_mapped
-from tests.support.harness import collect_cases, distributed_suite
+from tests.support.harness import collect_cases, conformance_suites, seeded
 from tests.support.models import (
     bf16,
     clones,
@@ -70,12 +76,22 @@ def kinds(rec: CollectiveRecorder) -> set[str]:
     return {c.kind for c in rec.calls}
 
 
+def layouts() -> tuple[str, ...]:
+    """Upstream's uniform layout; under the patch also the kept one."""
+    return ("upstream", "kept") if fp.is_param_dtype_map_patch_applied() else ("upstream",)
+
+
+def needs_the_patch() -> None:
+    if not fp.is_param_dtype_map_patch_applied():
+        pytest.skip("kept parameters inside a unit: the library's own behaviour, not torch's")
+
+
 def case_communication_count() -> None:
     """``_test_communication_count``: ``units`` all-gathers forward; backward re-gathers
     every resharded unit (the root is not resharded with ``None``, none is with ``False``);
     one reduce-scatter per unit; nothing else."""
     for raf in (True, False, 2, None):
-        for kind in ("upstream", "kept"):
+        for kind in layouts():
             kw = {} if raf is None else {"reshard_after_forward": raf}
             fwd, bwd = step_counts(wrap(kind, **kw))
             where = f"{kind}, reshard_after_forward={raf}"
@@ -85,6 +101,8 @@ def case_communication_count() -> None:
             assert bwd.count("reduce_scatter") == UNITS, where
             assert kinds(bwd) <= {"all_gather", "reduce_scatter"}, where
     # Negative control: the public-API workaround (each kept module its own unit) issues more.
+    if not fp.is_param_dtype_map_patch_applied():
+        return
     fwd, bwd = step_counts(wrap_children(net(depth=DEPTH)))
     extra = 2 * DEPTH + 1  # every block's norm and gate, the final norm
     assert fwd.count("all_gather") == bwd.count("reduce_scatter") == UNITS + extra
@@ -94,6 +112,7 @@ def case_communication_count_with_mixed_storage() -> None:
     """A bf16-stored model whose kept parameters are stored in fp32 (``param_dtype=None``):
     each unit's gradients are fp32 and bf16 at once and still take one reduce-scatter (the
     mixed reduce packs them), as many as the uniform layout."""
+    needs_the_patch()
     model = net(depth=DEPTH).to(bf16)
     for module in (*[m for b in model.blocks for m in (b.norm, b.gate)], model.norm):
         module.float()
@@ -108,7 +127,7 @@ def case_communication_count_with_mixed_storage() -> None:
 def case_manual_reshard_with_reshard_after_forward_false() -> None:
     """Units built with ``reshard_after_forward=False``, resharded by hand after forward,
     gather again in backward: ``units`` all-gathers each way, ``units`` reduce-scatters."""
-    for kind in ("upstream", "kept"):
+    for kind in layouts():
         model = wrap(kind, reshard_after_forward=False)
         x = inputs(0)
         with CollectiveRecorder() as fwd:
@@ -127,7 +146,7 @@ def case_set_reshard_after_forward() -> None:
     on the root, recursively or not, gives the counts the constructor argument gives."""
     for setting in (True, False):
         for recurse in (True, False):
-            for kind in ("upstream", "kept"):
+            for kind in layouts():
                 model = wrap(kind, reshard_after_forward=not setting)
                 model.set_reshard_after_forward(setting, recurse=recurse)  # type: ignore[operator]
                 fwd, bwd = step_counts(model)
@@ -145,19 +164,18 @@ def case_set_gradient_divide_factor_mixed_precision() -> None:
     a divide factor of the world size, against a replicated bf16 model reduced by hand; with
     upstream's policy and with the patched one mapping every parameter (the same semantics)."""
     world = dist.get_world_size()
-    for kind in ("upstream", "mapped"):
-        torch.manual_seed(42)
-        model = nn.Sequential(*[MLP(16) for _ in range(3)])
+    for kind in policy_kinds():
+        with seeded(42):
+            model = nn.Sequential(*[MLP(16) for _ in range(3)])
         ref_model = copy.deepcopy(model)
         ref_model_bf16 = copy.deepcopy(ref_model).to(bf16)
         ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-        for mlp in model:
-            fully_shard(mlp, mp_policy=make_policy(kind, mlp, bf16, fp32))
-        fully_shard(model, mp_policy=make_policy(kind, model, bf16, fp32))
+        for module in (*model, model):
+            fully_shard(module, mp_policy=policy(kind, module, model, bf16, fp32))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model.set_gradient_divide_factor(float(world))  # type: ignore[operator]
-        torch.manual_seed(42 + dist.get_rank())
-        inp = torch.randn((4, 16), dtype=bf16)
+        with seeded(42 + dist.get_rank()):
+            inp = torch.randn((4, 16), dtype=bf16)
         for _ in range(4):
             loss = model(inp).sum()
             loss.backward()
@@ -192,6 +210,7 @@ def case_set_gradient_divide_factor_with_kept_parameters() -> None:
     """A factor on kept units and on the separate-units reference: bitwise; and the factor
     took (twice the world size halves every gradient, exactly in fp32; gloo has no
     ``PREMUL_SUM``, so that one reduces by sum with FSDP's own pre- and post-division)."""
+    needs_the_patch()
     world = dist.get_world_size()
     ref, ours, whole, halved = clones(net(depth=DEPTH), 4)
     divide(wrap_children(ref), world)
@@ -209,6 +228,7 @@ def case_set_reduce_scatter_max_input_buffers() -> None:
     """``_test_set_reduce_scatter_max_input_buffers``: more reduce-scatter input buffers in
     flight is a scheduling change only: kept units train bitwise like the default, under FSDP
     and HSDP, resharding after forward or not."""
+    needs_the_patch()
     if not hasattr(FSDPModule, "set_reduce_scatter_max_input_buffers"):
         return  # added in torch 2.13; the releases before have one buffer
     world = dist.get_world_size()
@@ -228,11 +248,11 @@ class SharedGroup(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(32, 16)
-        self.proj = nn.Linear(16, 16)
-        self.body = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 32, bias=False)
+        with seeded(0):
+            self.emb = nn.Embedding(32, 16)
+            self.proj = nn.Linear(16, 16)
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -246,6 +266,7 @@ def case_tied_parameter_in_a_grouped_call_under_hsdp() -> None:
     ``head`` share one weight, kept in fp32 beside bf16 ``proj`` in the same group. Both
     aliases gather the one fp32 weight, the group issues one all-gather, and two AdamW steps are
     bitwise the separate-units layout."""
+    needs_the_patch()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ours = SharedGroup()
     rules = fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=(fp.Glob("emb.weight"),))
@@ -286,4 +307,5 @@ def case_tied_parameter_in_a_grouped_call_under_hsdp() -> None:
 
 
 CASES = collect_cases(globals())
-results, test_four_ranks = distributed_suite(4, __name__, CASES)
+
+globals().update(conformance_suites(4, __name__, CASES, compare=False))

@@ -4,9 +4,11 @@ Ported from ``test/distributed/_composable/fsdp/test_fully_shard_mixed_precision
 (``_test_compute_dtype``, ``_test_reduce_dtype_fp32_reduce``, ``_test_reduce_dtype_bf16_reduce``,
 ``_test_grad_acc_with_reduce_dtype``, ``test_reduce_dtype_after_frozen_first_forward``). Each
 runs twice: with upstream's ``MixedPrecisionPolicy`` and with a ``ParamDtypeMixedPrecisionPolicy``
-that maps every parameter to ``param_dtype`` (the patched code path, same semantics). Like
-upstream, the references emulate FSDP with a replicated model and explicit collectives, and the
-comparison uses ``assert_close``'s default tolerances.
+that maps every parameter to ``param_dtype`` (the patched code path, same semantics), in every
+way of ``tests.conformance.kinds``. Like upstream, the references emulate FSDP with a replicated
+model and explicit collectives, and the comparison uses ``assert_close``'s default tolerances; on
+top, every kind's losses, sharded parameters, gradients and collectives are bitwise those of
+torch alone, on spawned gloo ranks and on threads (``conformance_suites``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
-from fsdp_precision import ParamDtypeMapError, ParamDtypeMixedPrecisionPolicy
+from fsdp_precision import ParamDtypeMapError
 from fsdp_precision._releases import torch_release
 from fsdp_precision.testing import CollectiveRecorder
 
-from tests.support.harness import collect_cases, distributed_suite, unpatched
+from tests.conformance.kinds import kinds, policy, state_digest
+from tests.support.harness import collect_cases, conformance_suites, seeded
 from tests.support.models import bf16, fp32, local
 
 # The references' own collectives: torch 2.13 added the *_single names (FSDP moved to them);
@@ -33,44 +36,26 @@ all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class MLP(nn.Module):  # torch.testing._internal.common_fsdp.MLP
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dim_multiplier: int = 4, bias: bool = True) -> None:
         super().__init__()
-        self.in_proj = nn.Linear(dim, 4 * dim)
-        self.out_proj = nn.Linear(4 * dim, dim)
+        self.in_proj = nn.Linear(dim, dim_multiplier * dim, bias=bias)
+        self.out_proj = nn.Linear(dim_multiplier * dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.relu(self.in_proj(x)))
 
 
-def make_policy(kind: str, module: nn.Module, param_dtype, reduce_dtype) -> MixedPrecisionPolicy:
-    if kind == "upstream":
-        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    own = {
-        n: (param_dtype or p.dtype)
-        for n, p in module.named_parameters()
-        if not isinstance(p, torch.distributed.tensor.DTensor)  # not owned by an inner unit
-    }
-    return ParamDtypeMixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, param_dtype_map=own
-    )
-
-
 def init_models(kind: str, reshard_after_forward, param_dtype, reduce_dtype):
-    torch.manual_seed(42)
-    model = nn.Sequential(*[MLP(16) for _ in range(3)])
+    with seeded(42):
+        model = nn.Sequential(*[MLP(16) for _ in range(3)])
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-    for mlp in model:
+    for module in (*model, model):
         fully_shard(
-            mlp,
+            module,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=make_policy(kind, mlp, param_dtype, reduce_dtype),
+            mp_policy=policy(kind, module, model, param_dtype, reduce_dtype),
         )
-    fully_shard(
-        model,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=make_policy(kind, model, param_dtype, reduce_dtype),
-    )
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
     return ref_model, ref_optim, model, optim
 
@@ -86,7 +71,7 @@ def check_sharded_parity(ref_model: nn.Module, model: nn.Module) -> None:
             )
 
 
-def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
+def _compute_dtype(kind: str, reshard_after_forward: bool) -> str:
     if torch_release() == "2.15":
         # torch 2.15 changed reduce_dtype=None: gradients follow the parameters' grad_dtype
         # (fp32 here) instead of param_dtype, so this test's upstream expectation (a bf16
@@ -96,13 +81,15 @@ def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
     ref_model, ref_optim, model, optim = init_models(kind, reshard_after_forward, param_dtype, None)
     ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
     world = dist.get_world_size()
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inp = torch.randn((4, 16), dtype=param_dtype)
+    with seeded(42 + dist.get_rank() + 1):
+        inp = torch.randn((4, 16), dtype=param_dtype)
+    losses: list[torch.Tensor] = []
     for it in range(4):
         optim.zero_grad(set_to_none=(it % 2 == 0))
         with CollectiveRecorder() as rec:
             fsdp_loss = model(inp).sum()
             fsdp_loss.backward()
+        losses.append(fsdp_loss)
         assert {c.dtype for c in rec.of("reduce_scatter")} == {param_dtype}
         optim.step()
         ref_optim.zero_grad(set_to_none=(it % 2 == 0))
@@ -121,23 +108,26 @@ def _compute_dtype(kind: str, reshard_after_forward: bool) -> None:
             p16.detach().copy_(p32)
         torch.testing.assert_close(fsdp_loss, ref_loss)
         check_sharded_parity(ref_model, model)
+    return state_digest(model, losses)
 
 
 def _reduce_dtype_fp32(
     kind: str, reshard_after_forward: bool, policy_reduce_dtype: torch.dtype | None = fp32
-) -> None:
+) -> str:
     param_dtype, reduce_dtype = bf16, fp32
     ref_model, ref_optim, model, optim = init_models(
         kind, reshard_after_forward, param_dtype, policy_reduce_dtype
     )
     ref_model_bf16 = copy.deepcopy(ref_model).to(param_dtype)
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inp = torch.randn((4, 16), dtype=param_dtype)
+    with seeded(42 + dist.get_rank() + 1):
+        inp = torch.randn((4, 16), dtype=param_dtype)
+    losses: list[torch.Tensor] = []
     for it in range(4):
         optim.zero_grad(set_to_none=(it % 2 == 0))
         with CollectiveRecorder() as rec:
             fsdp_loss = model(inp).sum()
             fsdp_loss.backward()
+        losses.append(fsdp_loss)
         assert {c.dtype for c in rec.of("reduce_scatter")} == {reduce_dtype}
         optim.step()
         ref_optim.zero_grad(set_to_none=(it % 2 == 0))
@@ -155,21 +145,24 @@ def _reduce_dtype_fp32(
             p16.detach().copy_(p32)
         torch.testing.assert_close(fsdp_loss, ref_loss)
         check_sharded_parity(ref_model, model)
+    return state_digest(model, losses)
 
 
-def _reduce_dtype_bf16(kind: str, reshard_after_forward: bool) -> None:
+def _reduce_dtype_bf16(kind: str, reshard_after_forward: bool) -> str:
     param_dtype, reduce_dtype = fp32, bf16
     ref_model, ref_optim, model, optim = init_models(
         kind, reshard_after_forward, param_dtype, reduce_dtype
     )
     world = dist.get_world_size()
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inp = torch.randn((4, 16), dtype=param_dtype)
+    with seeded(42 + dist.get_rank() + 1):
+        inp = torch.randn((4, 16), dtype=param_dtype)
+    losses: list[torch.Tensor] = []
     for it in range(4):
         optim.zero_grad(set_to_none=(it % 2 == 0))
         with CollectiveRecorder() as rec:
             fsdp_loss = model(inp).sum()
             fsdp_loss.backward()
+        losses.append(fsdp_loss)
         assert {c.dtype for c in rec.of("reduce_scatter")} == {reduce_dtype}
         optim.step()
         ref_optim.zero_grad(set_to_none=(it % 2 == 0))
@@ -185,9 +178,10 @@ def _reduce_dtype_bf16(kind: str, reshard_after_forward: bool) -> None:
         ref_optim.step()
         torch.testing.assert_close(fsdp_loss, ref_loss)
         check_sharded_parity(ref_model, model)
+    return state_digest(model, losses)
 
 
-def _grad_acc_with_reduce_dtype(kind: str, reshard_after_forward: bool) -> None:
+def _grad_acc_with_reduce_dtype(kind: str, reshard_after_forward: bool) -> str:
     """Accumulating without reduce-scatter keeps the unsharded gradients in fp32."""
     param_dtype, reduce_dtype = bf16, fp32
     ref_model, ref_optim, model, optim = init_models(
@@ -195,14 +189,17 @@ def _grad_acc_with_reduce_dtype(kind: str, reshard_after_forward: bool) -> None:
     )
     ref_model_compute = copy.deepcopy(ref_model).to(param_dtype)
     num_microbatches = 3
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inps = [torch.randn((4, 16), dtype=param_dtype) for _ in range(num_microbatches)]
+    with seeded(42 + dist.get_rank() + 1):
+        inps = [torch.randn((4, 16), dtype=param_dtype) for _ in range(num_microbatches)]
+    losses: list[torch.Tensor] = []
     for _ in range(2):
         for micro, inp in enumerate(inps):
             last = micro == num_microbatches - 1
             model.set_requires_gradient_sync(last)
             with CollectiveRecorder() as rec:
-                model(inp).sum().backward()
+                loss = model(inp).sum()
+                loss.backward()
+            losses.append(loss)
             assert rec.count("reduce_scatter") == (3 if last else 0)  # one per MLP unit
             ref_model_compute(inp).sum().backward()
             for p32, pc in zip(ref_model.parameters(), ref_model_compute.parameters()):
@@ -219,6 +216,7 @@ def _grad_acc_with_reduce_dtype(kind: str, reshard_after_forward: bool) -> None:
         ref_optim.zero_grad()
         for p32, pc in zip(ref_model.parameters(), ref_model_compute.parameters()):
             pc.detach().copy_(p32)
+    return state_digest(model, losses)
 
 
 def _reduce_dtype_after_frozen_first_forward(kind: str) -> None:
@@ -232,13 +230,7 @@ def _reduce_dtype_after_frozen_first_forward(kind: str) -> None:
             return self.layers(inp)
 
     model = Model()
-    policy = make_policy(kind, model.layers, bf16, fp32)
-    if isinstance(policy, ParamDtypeMixedPrecisionPolicy):  # keys relative to the root
-        policy = ParamDtypeMixedPrecisionPolicy(
-            param_dtype=bf16,
-            reduce_dtype=fp32,
-            param_dtype_map={f"layers.{k}": v for k, v in policy.param_dtype_map.items()},
-        )
+    mp_policy = policy(kind, model, model, bf16, fp32)
     if torch_release() == "2.11":
         # torch 2.11's FSDP2 makes every sharded parameter trainable, so it cannot manage the
         # frozen int64 parameter at all (2.12 keeps requires_grad); the mapped path says so first.
@@ -248,14 +240,14 @@ def _reduce_dtype_after_frozen_first_forward(kind: str) -> None:
             else (ParamDtypeMapError, r"cannot manage non-floating parameters \('non_float'")
         )
         with pytest.raises(expected[0], match=expected[1]):
-            fully_shard(model, mp_policy=policy)
+            fully_shard(model, mp_policy=mp_policy)
         return
-    fully_shard(model, mp_policy=policy)
+    fully_shard(model, mp_policy=mp_policy)
     model.requires_grad_(False)
     with torch.no_grad():
         model(torch.randn((4, 16)))
     model.layers.requires_grad_(True)
-    if kind == "upstream" and torch_release() in ("2.12", "2.13"):
+    if kind in ("upstream", "empty") and torch_release() in ("2.12", "2.13"):
         # Upstream bug on 2.12 and 2.13, fixed in 2.14 (the test comes from that fix): the unit
         # was frozen at lazy init, so FSDP recorded no dtypes; the bf16 gradients are reduced in
         # bf16 and assigning them to the fp32 parameters fails. With an empty map the patch
@@ -272,38 +264,34 @@ def _reduce_dtype_after_frozen_first_forward(kind: str) -> None:
             assert param.grad.dtype == fp32
 
 
-KINDS = ("upstream", "mapped")
+def _subtests(fn) -> dict[str, str]:
+    """``fn`` for every kind and ``reshard_after_forward``; each kind's digests together."""
+    return {kind: "".join(fn(kind, reshard) for reshard in (False, True)) for kind in kinds()}
 
 
-def _subtests(fn, **grid) -> None:
-    for kind in KINDS:
-        for reshard in grid.get("reshard", (False, True)):
-            fn(kind, reshard)
+def case_compute_dtype() -> dict[str, str]:
+    return _subtests(_compute_dtype)
 
 
-def case_compute_dtype() -> None:
-    _subtests(_compute_dtype)
+def case_reduce_dtype_fp32_reduce() -> dict[str, str]:
+    return _subtests(_reduce_dtype_fp32)
 
 
-def case_reduce_dtype_fp32_reduce() -> None:
-    _subtests(_reduce_dtype_fp32)
+def case_reduce_dtype_bf16_reduce() -> dict[str, str]:
+    return _subtests(_reduce_dtype_bf16)
 
 
-def case_reduce_dtype_bf16_reduce() -> None:
-    _subtests(_reduce_dtype_bf16)
-
-
-def case_grad_acc_with_reduce_dtype() -> None:
-    _subtests(_grad_acc_with_reduce_dtype)
+def case_grad_acc_with_reduce_dtype() -> dict[str, str]:
+    return _subtests(_grad_acc_with_reduce_dtype)
 
 
 def case_reduce_dtype_after_frozen_first_forward() -> None:
-    for kind in KINDS:
+    # Nothing to compare bitwise: on 2.12 and 2.13 torch's own path (upstream, empty maps)
+    # fails where mapped units follow 2.14's fix; on torch alone the suite checks the failure.
+    for kind in kinds():
         _reduce_dtype_after_frozen_first_forward(kind)
-    with unpatched():  # the upstream behaviour the patched empty-map path must reproduce
-        _reduce_dtype_after_frozen_first_forward("upstream")
 
 
 CASES = collect_cases(globals())
 
-results, test_ported = distributed_suite(2, __name__, CASES)
+globals().update(conformance_suites(2, __name__, CASES))

@@ -239,6 +239,51 @@ def distributed_suite(
     return results, test_case
 
 
+#: The four ways a conformance module's cases run: (threads, patch). "torch" is torch alone.
+CONFORMANCE_KINDS = {
+    "processes_patched": (False, True),
+    "processes_torch": (False, False),
+    "threads_patched": (True, True),
+    "threads_torch": (True, False),
+}
+
+
+def conformance_suites(
+    world_size: int, module: str, cases: Sequence[str], *, compare: bool = True
+) -> dict[str, Any]:
+    """A conformance module's tests, for ``globals().update(...)``: its cases on spawned gloo
+    ranks and on threads (torch's threaded process group), each with the patch applied and on
+    torch alone; with ``compare``, ``test_same_as_torch_alone``: where a case returns
+    ``{kind: digest}`` (what it computed and communicated, one digest per way of building the
+    policy, see ``tests.conformance.kinds``), every kind's digest under the patch equals the
+    ``"upstream"`` digest on torch alone, rank by rank, in the same process-group kind."""
+    suites: dict[str, Any] = {}
+    for name, (threads, patch) in CONFORMANCE_KINDS.items():
+        fixture, test = distributed_suite(world_size, module, cases, threads=threads, patch=patch)
+        suites[f"results_{name}"], suites[f"test_{name}"] = fixture, test
+    if not compare:
+        return suites
+
+    @pytest.mark.distributed
+    @pytest.mark.parametrize("threads", [False, True], ids=["processes", "threads"])
+    @pytest.mark.parametrize("case", cases)
+    def test_same_as_torch_alone(request: pytest.FixtureRequest, threads: bool, case: str) -> None:
+        prefix = "results_threads" if threads else "results"
+        for suffix in ("", "_unpatched"):
+            check(request.getfixturevalue(prefix + suffix)[case])
+        patched = case_values(module, threads=threads, patch=True)[case]
+        alone = case_values(module, threads=threads, patch=False)[case]
+        if all(v is None for v in patched):
+            pytest.skip("the case compares nothing with torch alone")
+        for rank, (mine, torch_alone) in enumerate(zip(patched, alone, strict=True)):
+            assert torch_alone is not None and set(torch_alone) == {"upstream"}, torch_alone
+            differ = sorted(k for k, v in mine.items() if v != torch_alone["upstream"])
+            assert not differ, f"rank {rank}: {differ} differ from torch alone"
+
+    suites["test_same_as_torch_alone"] = test_same_as_torch_alone
+    return suites
+
+
 def torchrun_environment() -> None:
     """torchrun's variables for this rank, so that a framework (accelerate, Lightning,
     transformers) attaches to the harness's process group instead of launching its own."""
@@ -254,6 +299,19 @@ def fresh_accelerate_state() -> None:
 
     torchrun_environment()
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+_rng = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Draw from torch's RNG seeded with ``seed``, alone: ranks that are threads of one process
+    share the generator, so a case seeds and draws (a model's init, its inputs) under this lock
+    or the ranks' draws interleave. Spawned ranks hold it uncontended."""
+    with _rng:
+        torch.manual_seed(seed)
+        yield
 
 
 def collect_cases(module_globals: dict[str, object]) -> list[str]:

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from tests.support.harness import seeded
+
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 
@@ -54,8 +56,8 @@ KEEP_IN_BLOCK = ("norm.weight", "norm.bias", "gate.weight")
 
 
 def net(seed: int = 0, **kwargs: int) -> Net:
-    torch.manual_seed(seed)
-    return Net(**kwargs)
+    with seeded(seed):  # ranks that are threads share torch's generator
+        return Net(**kwargs)
 
 
 def mixed_storage_net(**kwargs: int) -> Net:

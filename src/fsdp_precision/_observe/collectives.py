@@ -74,8 +74,9 @@ class CollectiveRecorder:
 
     Where the ranks are threads of one process (torch's threaded process group), each rank's
     recorder sees its own rank's calls: a call goes to the recorders entered in the thread that
-    issues it, and only a call from a thread that entered none (autograd's device threads on a
-    GPU) goes to every recorder active in the process.
+    issues it. A call from a thread Python did not start (autograd's device threads, which run
+    FSDP's post-backward reduce-scatters on a GPU) goes to every recorder active in the process;
+    one from another Python thread that entered none (another rank's) goes to none.
     """
 
     calls: list[Collective] = field(default_factory=list)
@@ -126,9 +127,10 @@ def _entered() -> list[CollectiveRecorder]:
 
 
 def _record(call: Collective) -> None:
-    mine = _entered()
-    with _lock:
-        recipients = list(mine) if mine else list(_active)
+    recipients = list(_entered())
+    if not recipients and isinstance(threading.current_thread(), threading._DummyThread):
+        with _lock:  # a thread torch started (autograd's): the process's recorders
+            recipients = list(_active)
     for recorder in recipients:
         recorder.calls.append(call)
 
