@@ -612,6 +612,15 @@ LOCAL_ERRORS: list[tuple[str, Any, Any, type[Exception], type[BaseException] | N
         r"\(char 11\); the checkpoint's metadata is damaged: load an earlier checkpoint, or save",
     ),
     (
+        "load metadata nested past the recursion limit (hostile)",
+        lambda p: write(p / METADATA_FILE, "[" * 100_000 + "]" * 100_000),
+        lambda p: load_checkpoint(p, linear()[0]),
+        CheckpointReadError,
+        RecursionError,
+        r"cannot read '.*/ck/fsdp_precision_checkpoint\.json': maximum recursion depth exceeded"
+        r".*; the checkpoint's metadata is damaged: load an earlier checkpoint, or save",
+    ),
+    (
         "load foreign metadata",
         lambda p: write(p / METADATA_FILE, '{"format": "other"}'),
         lambda p: read_checkpoint_metadata(p),

@@ -49,6 +49,14 @@ def test_an_incomplete_step_is_skipped(tmp_path: Path) -> None:
     assert checkpoint.latest_checkpoint(tmp_path / "missing") is None
 
 
+def nested(depth: int) -> dict[str, object]:
+    """``{"a": {"a": ... {}}}``, ``depth`` dicts deep, built without recursing."""
+    value: dict[str, object] = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -57,6 +65,12 @@ def test_an_incomplete_step_is_skipped(tmp_path: Path) -> None:
         ({"step": True}, r"step=True; pass an integer >= 0"),
         ({"step": 1, "extra": {"t": torch.ones(1)}}, r"extra is not JSON-serialisable"),
         ({"step": 1, "extra": [1]}, r"extra=\[1\] is not a mapping"),
+        (
+            {"step": 1, "extra": nested(3000)},
+            r"extra=\{'a': \{'a': \{.*\}\}\} nests deeper than 100 ",
+        ),
+        ({"step": 1, "extra": nested(101)}, r"nests deeper than 100 levels; flatten it"),
+        ({"step": 1, "extra": [nested(3000)]}, r"extra=\[\{'a': \{.*\}\}\] is not a mapping"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(
@@ -65,6 +79,21 @@ def test_bad_input_is_refused_before_anything_is_written(
     with pytest.raises(CheckpointError, match=message):
         checkpoint.save_step(tmp_path / "run", net(), **kwargs)  # type: ignore[arg-type]
     assert not (tmp_path / "run").exists()
+
+
+def test_extra_as_deep_as_the_limit_round_trips(tmp_path: Path) -> None:
+    """Control for the depth refusal: 100 levels are written and read back."""
+    checkpoint.save_step(tmp_path, net(), step=0, extra=nested(100))
+    meta = checkpoint.read_checkpoint_metadata(tmp_path / "step-000000000")
+    assert meta["extra"] == nested(100)
+
+
+def test_save_checkpoint_refuses_a_deep_extra_untouched(tmp_path: Path) -> None:
+    """A dict nested 3,000 deep is a ``CheckpointError`` naming ``extra`` (it was the JSON
+    encoder's ``RecursionError``), and nothing is written."""
+    with pytest.raises(CheckpointError, match=r"^extra=.* nests deeper than 100 levels"):
+        checkpoint.save_checkpoint(tmp_path / "ck", net(), extra=nested(3000))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_pruning_deletes_only_what_it_wrote(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,7 +13,11 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp_precision._base.errors import CheckpointNotFoundError, CheckpointReadError
+from fsdp_precision._base.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+)
 from fsdp_precision._base.version import __version__
 from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE, recover, write_json
 from fsdp_precision._edges.checkpoint.state import StateDictType
@@ -20,8 +25,10 @@ from fsdp_precision._trust.reader import METADATA_NAME
 from fsdp_precision._trust.unpickle import load_metadata
 
 __all__ = [
+    "MAX_EXTRA_DEPTH",
     "MODEL",
     "OPTIM",
+    "check_extra",
     "dcp_metadata",
     "read_checkpoint_metadata",
     "read_metadata",
@@ -57,7 +64,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
         )
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointReadError(
             f"cannot read '{meta_path}': {err}; the checkpoint's metadata is damaged: load an "
             "earlier checkpoint, or save this one again"
@@ -101,6 +108,62 @@ _FIELDS: dict[str, Any] = {
     "precision": lambda v: isinstance(v, dict),
     "optimizer_stateless": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
+
+
+#: The deepest ``extra`` a save takes: JSON nested deeper than this is refused (Python's JSON
+#: encoder and decoder recurse per level, so a much deeper value could not be written, or read
+#: back by a load running deeper in the stack).
+MAX_EXTRA_DEPTH = 100
+
+
+def check_extra(extra: object) -> None:
+    """Refuse (:class:`CheckpointError`, before anything is written) an ``extra`` that is not a
+    mapping of JSON values nested at most :data:`MAX_EXTRA_DEPTH` levels."""
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        shown = reprlib.repr(extra)  # bounded: a deeply nested value has no full repr
+        raise CheckpointError(f"extra={shown} is not a mapping; pass a dict of JSON values")
+    try:
+        text = json.dumps(dict(extra))
+    except RecursionError as err:
+        raise CheckpointError(_too_deep(reprlib.repr(extra))) from err
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"extra is not JSON-serialisable ({err}); keep it to numbers, strings, lists and "
+            "dicts (tensors go in the model or optimizer state)"
+        ) from err
+    if _json_depth(text) > MAX_EXTRA_DEPTH:
+        raise CheckpointError(_too_deep(reprlib.repr(extra)))
+
+
+def _too_deep(shown: str) -> str:
+    return (
+        f"extra={shown} nests deeper than {MAX_EXTRA_DEPTH} levels; flatten it (e.g. join "
+        "the nested keys into one, 'a/b/c': value) before saving"
+    )
+
+
+def _json_depth(text: str) -> int:
+    """How deep the containers of the JSON ``text`` nest (without recursing)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def write_metadata(

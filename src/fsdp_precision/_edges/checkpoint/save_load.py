@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -99,7 +98,7 @@ def save_checkpoint(
         raise CheckpointError(
             f"step={step!r} is not an int; pass the training step as an int, or None"
         )
-    _check_extra(extra)
+    _metadata.check_extra(extra)
     rank, world = rank_world()
     target = Path(checkpoint_dir).absolute()
     tmp: Path | None = None
@@ -245,20 +244,6 @@ def _cleanup_on_error(error: CheckpointError | None, tmp: Path) -> None:
         if rank_world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _check_extra(extra: object) -> None:
-    if extra is None:
-        return
-    if not isinstance(extra, Mapping):
-        raise CheckpointError(f"extra={extra!r} is not a mapping; pass a dict of JSON values")
-    try:
-        json.dumps(dict(extra))
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(
-            f"extra is not JSON-serialisable ({err}); keep it to numbers, strings, lists and "
-            "dicts (tensors go in the model or optimizer state)"
-        ) from err
 
 
 def _write_error(what: str, cause: BaseException) -> CheckpointWriteError:
