@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:  # a rank failed: its error and our notes, not the traceback
         notes = notes_of(exc)
-        lines = [ln for ln in str(exc).strip().splitlines() if ln not in notes and ln.strip()]
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln not in notes and ln.strip()]
         print(
             f"fsdp-precision: {args.command} failed: {lines[-1] if lines else type(exc).__name__}",
             file=sys.stderr,

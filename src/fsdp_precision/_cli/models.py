@@ -76,6 +76,21 @@ def load_config(spec: str) -> Any:
             f"MODEL {spec!r}: its config.json cannot be read ({exc}); fix the file, or pass "
             "hf:<model_type>"
         ) from exc
+    except Exception as exc:  # noqa: BLE001 - the config class refused a value the user wrote
+        raise ValueError(
+            f"MODEL {spec!r}: transformers refuses its config.json ({one_line(_root(exc))}); "
+            "fix that value in config.json"
+        ) from exc
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The first error of ``exc``'s chain of causes (a validator's own ``ValueError`` under
+    huggingface_hub's ``StrictDataclassClassValidationError``)."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
 
 
 def load_model(
