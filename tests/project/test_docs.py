@@ -130,3 +130,25 @@ def test_python_blocks_run(
 def test_pages_are_found() -> None:
     # A regex or path mistake must not turn this file into zero tests.
     assert {"README.md", "docs/rules.md", "docs/checkpoints.md"} <= set(PAGES)
+
+
+def _pages() -> dict[str, str]:
+    return {
+        p.relative_to(ROOT).as_posix(): p.read_text()
+        for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    }
+
+
+def test_no_page_announces_a_capability_as_the_next_one() -> None:
+    """The docs describe what the code does; a plan belongs in the issues (after-training's
+    Limits called exempting unit-boundary inputs "the next capability" after ``uncast_inputs``
+    shipped)."""
+    coming = [name for name, text in _pages().items() if "next capability" in text.lower()]
+    assert coming == []
+
+
+def test_the_export_limits_name_the_way_to_keep_unit_inputs() -> None:
+    text = (ROOT / "docs" / "after-training.md").read_text()
+    limits = text.partition("\n## Limits\n")[2].partition("\n## ")[0]
+    boundary = [line for line in limits.split("\n- ") if line.startswith("Unit boundaries")]
+    assert boundary and "uncast_inputs" in boundary[0], limits
