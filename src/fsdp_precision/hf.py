@@ -44,8 +44,9 @@ def cast_keeping_fp32(
     ``model.to(dtype)``, which undoes the declarations). Non-persistent buffers, which
     ``from_pretrained`` never loads, get the dtype the model's class makes them in with
     ``dtype`` as the default dtype, as under ``from_pretrained`` (rotary ``inv_freq``, made with
-    ``.float()``, stays fp32; Gemma's ``embed_scale`` goes to ``dtype``); those of kept modules,
-    and of a model whose class cannot be rebuilt from its config on meta, keep their dtype.
+    ``.float()``, stays fp32; Gemma's ``embed_scale`` goes to ``dtype``), in declared modules
+    too; those of modules whose parameters ``rules`` keep, and of a model whose class cannot be
+    rebuilt from its config on meta, keep their dtype.
     Declarations follow the installed library, through wrappers (a ``PeftModel``) and tie
     targets.
 

@@ -178,6 +178,50 @@ def test_non_persistent_buffers_keep_their_dtype_as_from_pretrained_leaves_them(
     assert copy.deepcopy(model).to(bf16).get_buffer(name).dtype == bf16
 
 
+class _NormWithBuffers(nn.Module):
+    """A norm with two non-persistent buffers: one built in the default dtype (``torch.ones``),
+    one in fp32 whatever the default (``.float()``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.register_buffer("gain", torch.ones(dim), persistent=False)
+        self.register_buffer("angles", torch.ones(dim).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _llama_keeping_a_norm_with_buffers() -> nn.Module:
+    class Keeping(transformers.LlamaForCausalLM):
+        _keep_in_fp32_modules = ["norm"]
+        _keep_in_fp32_modules_strict = ["norm"]
+
+        def __init__(self, config: object) -> None:
+            super().__init__(config)
+            self.model.norm = _NormWithBuffers(config.hidden_size)  # type: ignore[attr-defined]
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Keeping(config)
+
+
+def test_non_persistent_buffers_of_a_declared_module_are_what_from_pretrained_builds() -> None:
+    """A buffer made with ``torch.ones`` in a module of ``_keep_in_fp32_modules`` is built in the
+    load dtype by ``from_pretrained`` and never loaded: the cast gives it that dtype too (it
+    kept fp32), and the ``.float()`` one stays fp32 in both (issue 48)."""
+    model = _llama_keeping_a_norm_with_buffers()
+    for dtype in (fp16, bf16):
+        loaded = _loaded(model, dtype)
+        cast = hf.cast_keeping_fp32(copy.deepcopy(model), dtype)
+        assert _dtypes(cast) == _dtypes(loaded)
+        assert cast.get_buffer("model.norm.gain").dtype == dtype
+        assert cast.get_buffer("model.norm.angles").dtype == fp32
+
+
 # ------------------------------------------------------------------ _no_split_modules names
 
 

@@ -51,9 +51,9 @@ def cast_keeping_fp32(
     undoes the declarations). Non-persistent buffers, which ``from_pretrained`` never loads, get
     the dtype the model's class makes them in when ``dtype`` is the default dtype, as under
     ``from_pretrained`` (rotary ``inv_freq``, made with ``.float()``, stays fp32; Gemma's
-    ``embed_scale``, made with ``torch.tensor``, goes to ``dtype``), except inside modules whose
-    parameters are kept, and where the class cannot be rebuilt from its config on the meta
-    device, where they keep their dtype. Declarations follow the installed library,
+    ``embed_scale``, made with ``torch.tensor``, goes to ``dtype``), declared modules'
+    included; inside modules whose parameters ``keep`` names, and where the class cannot be
+    rebuilt from its config on the meta device, they keep their dtype. Declarations follow the installed library,
     through wrappers (a ``PeftModel``) and tie targets (see
     :mod:`fsdp_precision._hf.declarations`). In place; returns ``model``. Tied tensors stay tied
     (each tensor is cast once, through its module attribute). ``keep`` names more parameters
@@ -64,7 +64,11 @@ def cast_keeping_fp32(
     kept = kept_fqns(model, dtype)
     extra = _aliases(model, dict(keep or {}))
     built = built_buffer_dtypes(model, dtype)
-    kept_modules = {fqn.rpartition(".")[0] for fqn in (*kept, *extra)}
+    # Modules whose parameters ``keep`` (the user's rules) keeps: from_pretrained knows nothing
+    # of them, so their buffers stay as they are. A declared module's buffers are what
+    # from_pretrained builds them as, like any other (issue 48: a ``torch.ones`` buffer of a
+    # module in ``_keep_in_fp32_modules`` is in the load dtype).
+    kept_modules = {fqn.rpartition(".")[0] for fqn in extra}
     done: dict[int, Any] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
