@@ -40,6 +40,7 @@ from typing import Any
 from fsdp_precision._advise.advice import PrecisionAdvice, advise
 from fsdp_precision._base.dtypes import MAPPABLE_DTYPES
 from fsdp_precision._base.errors import (
+    EngineDtypeError,
     FsdpPrecisionError,
     ParamDtypeMapError,
     PatchIntegrityError,
@@ -77,6 +78,7 @@ __all__ = [
     "PRESETS",
     "SUPPORTED_RELEASES",
     "DistributedConfig",
+    "EngineDtypeError",
     "FsdpPrecisionError",
     "Glob",
     "Meshes",

@@ -19,7 +19,7 @@ from tests.support import ROOT
 SURFACE = {
     "fsdp_precision": [
         "MAPPABLE_DTYPES", "PRESETS", "SUPPORTED_RELEASES", "DistributedConfig",
-        "FsdpPrecisionError", "Glob", "Meshes", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
+        "EngineDtypeError", "FsdpPrecisionError", "Glob", "Meshes", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
         "PolicyNotAppliedError",
         "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "UnitUsageError", "UnsupportedTorchError",
@@ -43,9 +43,13 @@ SURFACE = {
         "library_of", "load_state_dict_aligned",
     ],
     "fsdp_precision.integrations": [
-        "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer", "last_complete_checkpoint",
-        "trainer_fsdp_policy",
-        "transformers_native_fsdp",
+        "ReceivedWeights", "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer",
+        "last_complete_checkpoint", "receive_weights", "send_weights", "trainer_fsdp_policy",
+        "transformers_native_fsdp", "weight_group",
+    ],
+    "fsdp_precision.integrations.vllm": [
+        "ARCHITECTURES", "TESTED_VLLM", "WeightReceiver", "register", "repair_expert_updates",
+        "update_weights",
     ],
     "fsdp_precision.testing": [
         "Collective", "CollectiveRecorder", "Comparison", "GatherProbe", "GatheredParam",

@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointWriteError",
+    "EngineDtypeError",
     "FsdpPrecisionError",
     "ParamDtypeMapError",
     "PatchIntegrityError",
@@ -116,3 +117,9 @@ class PolicyNotAppliedError(FsdpPrecisionError, RuntimeError):
 class UnitUsageError(FsdpPrecisionError, RuntimeError):
     """A parameter was used while its FSDP unit was not gathered (a module run, or a parameter
     read, outside its unit's forward); raised by ``fsdp_precision.testing.unit_guard``."""
+
+
+class EngineDtypeError(FsdpPrecisionError, RuntimeError):
+    """An inference engine would hold, or holds, a tensor training kept in another dtype (a
+    router gate kept in fp32, rounded to bf16 by the engine), or computes a kept module
+    otherwise: raised by name, before the engine serves, instead of degrading silently."""

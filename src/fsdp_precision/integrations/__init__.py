@@ -23,11 +23,23 @@ What this module adds is the three seams that are not obvious (docs/integrations
   ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` by name, half-written or not;
   this returns the newest one the Trainer finished (its ``trainer_state.json`` is written last).
 
+The other half of an RL loop, the inference engine: :func:`send_weights` and
+:func:`receive_weights` carry a weight stream to an engine in another process (metadata first,
+then the tensors in their own dtypes, over ``torch.distributed``; :func:`weight_group` makes a
+group of their own), and :mod:`fsdp_precision.integrations.vllm` keeps the kept tensors kept
+inside vLLM.
+
 Only public attributes of accelerate's state are set; the package is imported lazily.
 """
 
 from __future__ import annotations
 
+from fsdp_precision._engines.transfer import (
+    ReceivedWeights,
+    receive_weights,
+    send_weights,
+    weight_group,
+)
 from fsdp_precision._train.integrations import (
     accelerate_fsdp2_on_cpu,
     cpu_fsdp2_trainer,
@@ -37,9 +49,13 @@ from fsdp_precision._train.integrations import (
 from fsdp_precision._train.transformers_native import transformers_native_fsdp
 
 __all__ = [
+    "ReceivedWeights",
     "accelerate_fsdp2_on_cpu",
     "cpu_fsdp2_trainer",
     "last_complete_checkpoint",
+    "receive_weights",
+    "send_weights",
     "trainer_fsdp_policy",
     "transformers_native_fsdp",
+    "weight_group",
 ]

@@ -1,0 +1,232 @@
+"""One vLLM model's kept tensors: allocated in their dtype while it is built, checked after every
+load, refused by name where the engine cannot hold them.
+
+While the integration's model class builds vLLM's (:mod:`.models`), :func:`building` gives the
+layers the kept dtypes by engine name: a router ``GateLinear`` is built with its weight in the
+kept dtype and fp32 logits (:mod:`.layers`). After the build, :class:`Held` finds every kept
+tensor among the model's parameters: allocated in its dtype already (the gate; an fp32
+``e_score_correction_bias`` vLLM allocates so itself), or converted (a kept norm's weight
+re-allocated in its dtype, its module given the boundary cast training ran it with), or refused
+(fused into another tensor, or a module whose layout the integration does not convert) with an
+:class:`~fsdp_precision.EngineDtypeError` naming it, before any weight is read.
+
+Every ``load_weights`` (the first load, ``reload_weights``, a direct call) passes through
+:meth:`Held.load`: the kept tensors are copied aside as they go by, and afterwards read back
+from the engine (or, where its kernel hides the weight, probed through the module's own
+forward): a tensor the engine rounded raises by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._engines.kept import EngineKept
+from fsdp_precision._engines.readback import compare_held, probe_linear, raise_problems
+from fsdp_precision._policy.casts import ModuleCast, install_cast, installed_cast
+
+__all__ = ["Build", "Held", "building", "build"]
+
+logger = logging.getLogger(__name__)
+
+_FIX = (
+    "Serve this model with an architecture fsdp-precision's vLLM integration covers "
+    "(docs/after-training.md, 'vLLM'), or export it without keeping that tensor"
+)
+
+
+@dataclass(frozen=True)
+class Build:
+    """What the layers of the model being built should hold: engine name -> kept dtype.
+
+    Attributes:
+        kept: The description the model directory's record gave.
+        architecture: The model's architecture name.
+        engine_names: Each kept tensor's engine name -> its checkpoint name.
+    """
+
+    kept: EngineKept
+    architecture: str
+    engine_names: dict[str, str] = field(default_factory=dict)
+
+    def dtype_of(self, engine_name: str) -> torch.dtype | None:
+        """The kept dtype of the engine tensor ``engine_name`` (``None``: the bulk)."""
+        checkpoint = self.engine_names.get(engine_name)
+        return None if checkpoint is None else self.kept.tensors[checkpoint]
+
+
+_BUILD: ContextVar[Build | None] = ContextVar("fsdp_precision_vllm_build", default=None)
+
+
+def building() -> Build | None:
+    """The build in progress in this context (``None``: no kept model is being built)."""
+    return _BUILD.get()
+
+
+@contextmanager
+def build(
+    kept: EngineKept, architecture: str, rename: Callable[[str], str | None]
+) -> Iterator[Build]:
+    """Make :func:`building` return the build of a model whose checkpoint names map to engine
+    names by ``rename`` (``None``: the engine drops the name)."""
+    names = {}
+    for checkpoint in kept.tensors:
+        engine = rename(checkpoint)
+        if engine is not None:
+            names[engine] = checkpoint
+    current = Build(kept, architecture, names)
+    token = _BUILD.set(current)
+    try:
+        yield current
+    finally:
+        _BUILD.reset(token)
+
+
+class Held:
+    """The kept tensors of one built model, and the checks after each of its loads."""
+
+    def __init__(self, model: nn.Module, current: Build) -> None:
+        self.build = current
+        params = dict(model.named_parameters(remove_duplicate=False))
+        modules = dict(model.named_modules(remove_duplicate=False))
+        problems: list[str] = []
+        dropped = sorted(set(current.kept.tensors) - set(current.engine_names.values()))
+        problems += [f"{name}: vLLM's {current.architecture} drops it on load" for name in dropped]
+        converted = []
+        for engine, checkpoint in sorted(current.engine_names.items()):
+            dtype = current.kept.tensors[checkpoint]
+            param = params.get(engine)
+            if param is None:
+                problems.append(
+                    f"{checkpoint}: vLLM's {current.architecture} holds no tensor of that name "
+                    f"(it is {engine!r} there, fused into another tensor or absent), so it "
+                    f"would be loaded in the bulk dtype {dtype_name(current.kept.bulk)}"
+                )
+            elif param.dtype != dtype:
+                why = self._convert(modules, engine, checkpoint, param, dtype)
+                if why:
+                    problems.append(why)
+                else:
+                    converted.append(engine)
+        raise_problems(
+            problems, f"vLLM cannot hold what training kept ({current.kept.source})", _FIX
+        )
+        self.converted = converted
+        logger.info(
+            "fsdp-precision: %s, held as trained in vLLM's %s (%d converted after the build)",
+            current.kept.describe(),
+            current.architecture,
+            len(converted),
+        )
+
+    def _convert(
+        self,
+        modules: dict[str, nn.Module],
+        engine: str,
+        checkpoint: str,
+        param: nn.Parameter,
+        dtype: torch.dtype,
+    ) -> str | None:
+        """Re-allocate ``param`` in ``dtype`` and give its module the boundary cast training ran
+        it with; the reason it cannot be done, where it cannot."""
+        owner_name, _, attr = engine.rpartition(".")
+        owner = modules.get(owner_name)
+        recorded = self.build.kept.cast_of(checkpoint.rpartition(".")[0])
+        kind = type(owner).__name__
+        if owner is None or owner._parameters.get(attr) is not param:
+            return f"{checkpoint}: vLLM shares {engine!r} with another module; it cannot be kept"
+        if recorded is None and installed_cast(owner) is None:
+            return (
+                f"{checkpoint}: vLLM's {kind} {owner_name!r} holds it in "
+                f"{dtype_name(param.dtype)}, and training recorded no boundary cast for the "
+                f"module to compute it in {dtype_name(dtype)}"
+            )
+        param.data = torch.empty_like(param.data, dtype=dtype)  # the same Parameter, its loader
+        if recorded is not None and installed_cast(owner) is None:
+            install_cast(
+                owner, ModuleCast(recorded.cast.inputs, recorded.cast.outputs), recorded.back
+            )
+        return None
+
+    def load(
+        self,
+        model: nn.Module,
+        load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+        weights: Iterable[tuple[str, torch.Tensor]],
+        rename: Callable[[str], str | None],
+    ) -> Any:
+        """``load(weights)`` (vLLM's own ``load_weights``), keeping a copy of each kept tensor as
+        it goes by; then read each back from the engine and raise where it was rounded."""
+        wanted = set(self.build.kept.tensors)
+        seen: dict[str, torch.Tensor] = {}
+
+        def tap() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name in wanted:
+                    seen[name] = tensor.detach().to("cpu", copy=True)
+                yield name, tensor
+
+        loaded = load(tap())
+        self.check(model, seen, rename)
+        return loaded
+
+    def check(
+        self, model: nn.Module, seen: dict[str, torch.Tensor], rename: Callable[[str], str | None]
+    ) -> None:
+        """Read back each kept tensor in ``seen`` (checkpoint name -> what was loaded)."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        modules = dict(model.named_modules(remove_duplicate=False))
+        kept = self.build.kept
+        problems: list[str | None] = []
+        for checkpoint, value in sorted(seen.items()):
+            engine = rename(checkpoint)
+            dtype = kept.tensors[checkpoint]
+            held = params.get(engine) if engine is not None else None
+            if held is None or engine is None:
+                problems.append(f"{checkpoint}: the engine holds no tensor {engine!r}")
+            elif held.numel() == 0 and value.numel() > 0:
+                # a kernel holds the weight (vLLM's CPU linear layers): read what it computes
+                problems.append(self._probe(modules, engine, checkpoint, value, seen, dtype))
+            else:
+                problems.append(compare_held(checkpoint, held, value, dtype))
+        raise_problems(
+            [p for p in problems if p],
+            f"vLLM rounded what training kept (loaded from {kept.source})",
+            _FIX,
+        )
+
+    def _probe(
+        self,
+        modules: dict[str, nn.Module],
+        engine: str,
+        checkpoint: str,
+        value: torch.Tensor,
+        seen: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> str | None:
+        owner_name, _, attr = engine.rpartition(".")
+        owner = modules.get(owner_name)
+        if owner is None or attr != "weight" or value.dim() != 2:
+            return f"{checkpoint}: the engine hides it and the integration cannot probe {engine!r}"
+        bias_name = checkpoint.rpartition(".")[0] + ".bias"
+        bias = seen.get(bias_name)
+        own_bias = getattr(owner, "bias", None)
+        if bias is None and isinstance(own_bias, torch.Tensor):
+            bias = own_bias
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                out = owner(x)
+            result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+            return result
+
+        device = next((p.device for p in owner.parameters()), torch.device("cpu"))
+        return probe_linear(checkpoint, forward, value, bias, dtype, self.build.kept.bulk, device)
