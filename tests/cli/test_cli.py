@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from fsdp_precision._base.quiet import IMPORT_NOISE
 
 from tests.support import ROOT
 from tests.support.hf_models import requires_transformers_5
@@ -27,6 +30,12 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
     )
+
+
+def noise(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that the import of an optional package logs for its own
+    developers (torchao's CUDA kernels, torch's pytree deprecation, ...)."""
+    return [s for s in stderr.splitlines() if any(p.search(s) for p in IMPORT_NOISE.values())]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["demo", "--help"]])
@@ -93,6 +102,7 @@ def test_demo_default_model_is_deepseek_v3_with_its_router_in_fp32() -> None:
     pytest.importorskip("transformers")
     out = run(*CLI, "demo", "--steps", "2")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert noise(out.stderr) == []  # every rank builds the model quietly (issue 48)
     assert "model: DeepseekV3ForCausalLM (transformers" in out.stdout
     assert "model.layers.1 bfloat16 44,736, float32 256" in out.stdout  # the router, gathered fp32
     assert "model.layers.0 bfloat16 38,592 " in out.stdout  # the dense layer has no router
@@ -174,6 +184,7 @@ def test_plan_json_for_a_hub_architecture_on_meta() -> None:
     pytest.importorskip("transformers")
     out = run(*CLI, "plan", "hf:deepseek_v3", "--world-size", "64", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr == ""  # not a line of the packages' import noise (issue 48)
     data = json.loads(out.stdout)
     assert data["model"] == "DeepseekV3ForCausalLM"
     moe = next(u for u in data["units"] if u["name"] == "model.layers.3")
@@ -262,6 +273,25 @@ def test_plan_bad_model_is_one_line(model: str, message: str, tmp_path: Path) ->
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith("fsdp-precision: error: ") and message in lines[-1]
+
+
+def test_a_users_own_import_still_logs_what_it_logs() -> None:
+    """Control of the quiet CLI: the noise is only dropped where the library imports; the same
+    import in the user's code logs it (where this machine has any: torchao installed, its CUDA
+    kernels unloadable, a torch that deprecates its Enum registrations)."""
+    pytest.importorskip("transformers")
+    user = run(sys.executable, "-c", "import fsdp_precision, transformers; transformers.LlamaModel")
+    assert user.returncode == 0, user.stderr[-2000:]
+    if importlib.util.find_spec("torchao") is not None and _torch_deprecates_enum_constants():
+        assert noise(user.stderr), user.stderr
+
+
+def _torch_deprecates_enum_constants() -> bool:
+    import inspect
+
+    import torch.utils._pytree as pytree
+
+    return "is an Enum subclass" in inspect.getsource(pytree)
 
 
 def test_a_failure_is_reported_as_one_clean_line(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -287,9 +286,6 @@ Exit code: 0 when everything matches, 1 when something differs, 2 for a bad MODE
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fsdp-precision`` console script."""
     args = _parser().parse_args(argv)
-    # torchao, which transformers imports when it is installed, warns that its CUDA kernels do
-    # not load on a machine without them; the commands show its errors only.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
 
     try:
         if args.command == "demo":

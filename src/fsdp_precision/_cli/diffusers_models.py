@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_precision._base.quiet import quiet_imports
 from fsdp_precision.testing._tiny_diffusers import tiny_diffusers_config
 
 __all__ = ["INPUTS", "DiffusersConfig", "build", "diffusers_config", "inputs_source"]
@@ -78,7 +79,8 @@ def model_class(config: DiffusersConfig) -> type[Any]:
             f"MODEL {config.spec!r} is a Diffusers model directory (_class_name "
             f"{config.class_name!r}), which needs diffusers, not installed; {_INSTALL}"
         ) from exc
-    cls = getattr(diffusers, config.class_name, None)
+    with quiet_imports():  # a model class imports torchao: its import-time noise
+        cls = getattr(diffusers, config.class_name, None)
     if cls is None:
         raise ValueError(
             f"MODEL {config.spec!r}: diffusers {diffusers.__version__} has no class "

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_precision._base.quiet import quiet_imports
 from fsdp_precision._cli.diffusers_models import DiffusersConfig, build, diffusers_config
 from fsdp_precision.testing._tiny_config import tiny_config
 
@@ -197,17 +198,18 @@ def model_classes(config: Any) -> list[type]:
     order: looked up by ``config.model_type`` (a config class shared by several model types,
     or registered under another type, is still found), then by the config's class through the
     auto classes (models registered with ``AutoModel*.register``)."""
-    import transformers  # lazy: an optional dependency
-    from transformers.models.auto import modeling_auto
+    with quiet_imports():  # the model classes import torchao: its import-time noise
+        import transformers  # lazy: an optional dependency
+        from transformers.models.auto import modeling_auto
 
-    found: list[type] = []
-    model_type = getattr(config, "model_type", None)
-    for table in _HF_TABLES:
-        names = getattr(modeling_auto, table, {}).get(model_type)
-        for name in names if isinstance(names, (list, tuple)) else (names,):
-            cls = getattr(transformers, name, None) if isinstance(name, str) else None
-            if isinstance(cls, type) and cls not in found:
-                found.append(cls)
+        found: list[type] = []
+        model_type = getattr(config, "model_type", None)
+        for table in _HF_TABLES:
+            names = getattr(modeling_auto, table, {}).get(model_type)
+            for name in names if isinstance(names, (list, tuple)) else (names,):
+                cls = getattr(transformers, name, None) if isinstance(name, str) else None
+                if isinstance(cls, type) and cls not in found:
+                    found.append(cls)
     for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
         mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
         try:

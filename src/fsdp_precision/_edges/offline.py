@@ -20,6 +20,7 @@ import torch
 
 from fsdp_precision._base.dtypes import dtype_from_name
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError
+from fsdp_precision._base.quiet import quiet_imports
 from fsdp_precision._edges.checkpoint.collective import (
     CheckpointException,
     describe,
@@ -159,7 +160,8 @@ def _meta_model(path: Path) -> torch.nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
         architecture = (getattr(config, "architectures", None) or [None])[0]
-        cls = getattr(transformers, str(architecture), None)
+        with quiet_imports():  # the model class imports torchao: its import-time noise
+            cls = getattr(transformers, str(architecture), None)
         if cls is None:
             raise ValueError(f"architectures={getattr(config, 'architectures', None)!r}")
         with torch.device("meta"):

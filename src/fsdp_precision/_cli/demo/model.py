@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fsdp_precision._base.quiet import quiet_imports
 from fsdp_precision._rules.rules import Glob
 from fsdp_precision.testing._models import TinyConfig, TinyDecoder
 
@@ -82,7 +83,9 @@ def _builtin(dim: int, depth: int) -> DemoModel:
 
 
 def _deepseek_v3(dim: int, depth: int) -> DemoModel:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # lazy: an optional dependency
+    with quiet_imports():  # the model class imports torchao: its import-time noise
+        # lazy: an optional dependency
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     heads = 4
     config = DeepseekV3Config(
