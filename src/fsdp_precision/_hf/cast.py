@@ -53,8 +53,8 @@ def cast_keeping_fp32(
     ``from_pretrained`` (rotary ``inv_freq``, made with ``.float()``, stays fp32; Gemma's
     ``embed_scale``, made with ``torch.tensor``, goes to ``dtype``), declared modules'
     included; inside modules whose parameters ``keep`` names, and where the class cannot be
-    rebuilt from its config on the meta device, they keep their dtype. Declarations follow the installed library,
-    through wrappers (a ``PeftModel``) and tie targets (see
+    rebuilt from its config on the meta device, they keep their dtype. Declarations follow the
+    installed library, through wrappers (a ``PeftModel``) and tie targets (see
     :mod:`fsdp_precision._hf.declarations`). In place; returns ``model``. Tied tensors stay tied
     (each tensor is cast once, through its module attribute). ``keep`` names more parameters
     (exact FQNs, any alias) with the dtype each stays in; it wins over the declarations.
