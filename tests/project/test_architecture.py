@@ -61,15 +61,18 @@ def _targets(node: ast.ImportFrom | ast.Import, source: str, modules: dict[str, 
     return out
 
 
-def read_imports(*, external: bool = False) -> list[Import]:
-    """Every import between the package's modules (``TYPE_CHECKING`` blocks excluded); with
-    ``external``, function-level imports of other packages too (as ``Import``s whose target is
-    the imported module)."""
+def read_imports(*, external: bool = False, type_checking: bool = False) -> list[Import]:
+    """Every import between the package's modules (``TYPE_CHECKING`` blocks excluded unless
+    ``type_checking``); with ``external``, function-level imports of other packages too (as
+    ``Import``s whose target is the imported module)."""
     modules = _modules()
     found: list[Import] = []
     for source, path in modules.items():
         text = path.read_text()
-        found.extend(_visit(ast.parse(text), source, text.splitlines(), modules, external, False))
+        tree = ast.parse(text)
+        found.extend(
+            _visit(tree, source, text.splitlines(), modules, external, False, type_checking)
+        )
     return found
 
 
@@ -80,9 +83,14 @@ def _visit(
     modules: dict[str, Path],
     external: bool,
     lazy: bool,
+    type_checking: bool = False,
 ) -> Iterator[Import]:
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+        if (
+            isinstance(child, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(child.test)
+            and not type_checking
+        ):
             continue
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             near = " ".join(lines[max(child.lineno - 2, 0) : child.lineno])
@@ -99,7 +107,7 @@ def _visit(
                     if not name.startswith("fsdp_precision"):
                         yield Import(source, name, child.lineno, True, reason)
         function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-        yield from _visit(child, source, lines, modules, external, lazy or function)
+        yield from _visit(child, source, lines, modules, external, lazy or function, type_checking)
 
 
 def layers() -> list[list[str]]:
@@ -186,6 +194,13 @@ def test_imports_go_only_downward() -> None:
 
 def test_no_import_cycle_function_level_imports_included() -> None:
     assert cycles(read_imports()) == []
+
+
+def test_no_circle_through_type_checking_imports() -> None:
+    """A module that names a type of a module importing it (``plan.py`` imports ``report.py``,
+    whose signatures name ``PrecisionPlan``) is a circle the runtime graph hides: the data
+    knows its reports. The plan's data lives below what reads it (issue 48)."""
+    assert cycles(read_imports(type_checking=True)) == []
 
 
 def test_every_function_level_import_says_why_it_is_lazy() -> None:

@@ -16,15 +16,11 @@ CPU offload moves shards between host and device; it does not change these count
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._plan.quantized import wire_itemsize
-
-if TYPE_CHECKING:
-    from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+from fsdp_precision._plan.records import PlannedUnit, gather_bytes
 
 __all__ = ["Collectives", "Knobs", "gather_bytes", "totals", "unit_collectives"]
 
@@ -92,17 +88,6 @@ class Collectives:
             self.reduce_scatters + other.reduce_scatters,
             self.all_reduces + other.all_reduces,
         )
-
-
-def gather_bytes(params: Iterable[PlannedParam], world_size: int) -> dict[str, int]:
-    """Bytes of one all-gather of ``params``, by compute dtype, or by the format a tensor
-    subclass gathers itself in (``"float8"``), with dim-0 padding."""
-    out: dict[str, int] = {}
-    for p in params:
-        key = p.gathered_as or dtype_name(p.compute)
-        size = (wire_itemsize(p.gathered_as) if p.gathered_as else None) or p.compute.itemsize
-        out[key] = out.get(key, 0) + p.padded_numel(world_size) * size
-    return out
 
 
 def unit_collectives(unit: PlannedUnit, knobs: Knobs) -> Collectives:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fsdp_precision._plan.plan import PrecisionPlan
+from fsdp_precision._plan.data import PlanData
 
 __all__ = ["memory_per_rank"]
 
 
-def memory_per_rank(plan: PrecisionPlan) -> dict[str, int]:
+def memory_per_rank(plan: PlanData) -> dict[str, int]:
     """Bytes per rank at ``plan.world_size``: the sharded parameters (storage dtype), their
     gradients (same size), AdamW's two fp32 moments of the trainable ones, and the peak of
     gathered units (the unit computing and the one prefetched), all with FSDP's dim-0 padding.

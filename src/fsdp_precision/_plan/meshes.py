@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 
 from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._plan.data import PlanData
 from fsdp_precision._plan.quantized import wire_itemsize
 
 if TYPE_CHECKING:
-    from fsdp_precision._plan.plan import PrecisionPlan
     from fsdp_precision._plan.records import PlannedParam
 
 __all__ = ["Meshes", "mesh_lines", "mesh_totals"]
@@ -83,7 +83,7 @@ class _Layout:
     stage: int
 
 
-def mesh_totals(plan: PrecisionPlan, meshes: Meshes) -> dict[str, Any]:
+def mesh_totals(plan: PlanData, meshes: Meshes) -> dict[str, Any]:
     """Per stage, per rank and step: units, all-gathers, reduce-scatters, bytes all-gathered,
     TP gradient all-reduces and their bytes in the reduce dtype and in the compute dtype.
     Raises ``ValueError`` naming the fix when a degree cannot be laid out on this model."""
@@ -129,7 +129,7 @@ def mesh_totals(plan: PrecisionPlan, meshes: Meshes) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def mesh_lines(plan: PrecisionPlan, meshes: Meshes) -> list[str]:
+def mesh_lines(plan: PlanData, meshes: Meshes) -> list[str]:
     """``explain()``'s lines for ``meshes``."""
     t = mesh_totals(plan, meshes)
     reduce = plan.rules.reduce_dtype or plan.rules.param_dtype
@@ -199,7 +199,7 @@ def _gather_bytes(p: PlannedParam, layout: _Layout, meshes: Meshes, degree: int)
     return n * (wire or p.compute.itemsize)
 
 
-def _layouts(plan: PrecisionPlan, meshes: Meshes) -> dict[str, _Layout]:
+def _layouts(plan: PlanData, meshes: Meshes) -> dict[str, _Layout]:
     model = plan.model
     tp_plan = _declared(model, "tp_plan") if meshes.tp > 1 else {}
     ep_plan = _declared(model, "ep_plan") if meshes.ep > 1 else {}
@@ -245,7 +245,7 @@ def _style(fqn: str, declared: dict[str, Any]) -> Any:
     return best[1] if best else None
 
 
-def _stages(plan: PrecisionPlan, meshes: Meshes) -> Any:
+def _stages(plan: PlanData, meshes: Meshes) -> Any:
     """A parameter's pipeline stage (0 without PP)."""
     if meshes.pp == 1:
         return lambda fqn: 0

@@ -1,13 +1,13 @@
 """The plan: the planned ``fully_shard`` calls of one model, and what can be done with them.
 
-:func:`fsdp_precision.compile_param_dtype_maps` builds it once, complete; applying it
-(:meth:`PrecisionPlan.apply`), checking it before the first call (``preflight``) and reporting
-it (``report``) read it.
+:func:`fsdp_precision.compile_param_dtype_maps` builds it once, complete. Its data and what is
+read from it live in :mod:`~fsdp_precision._plan.data`, below the modules that check it before
+the first call (``preflight``), lay it out on meshes (``meshes``) and report it (``report``);
+:class:`PrecisionPlan` adds those verbs, and applying it, as methods that delegate to them.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -15,28 +15,24 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_precision._advise.advice import PrecisionAdvice, advise
-from fsdp_precision._hf.declarations import Declaration
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import apply_param_dtype_map_patch
-from fsdp_precision._plan import cost, preflight, report
 from fsdp_precision._plan import meshes as meshes_mod
+from fsdp_precision._plan import preflight, report
+from fsdp_precision._plan.data import PlanData
 from fsdp_precision._plan.meshes import Meshes
-from fsdp_precision._plan.records import PlannedParam, PlannedUnit, RuleClaims
+from fsdp_precision._plan.records import PlannedUnit
 from fsdp_precision._plan.replicated import average_gradients
-from fsdp_precision._plan.units import UnitChoice
 from fsdp_precision._plan.upcast import upcast_storage
-from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import install_input_cast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases.status import patch_status
-from fsdp_precision._rules.rules import PrecisionRules
 
 __all__ = ["PrecisionPlan"]
 
 
 @dataclass(frozen=True)
-class PrecisionPlan:
+class PrecisionPlan(PlanData):
     """The compiled plan: units in ``fully_shard`` order (innermost first, root last).
 
     Attributes:
@@ -59,69 +55,6 @@ class PrecisionPlan:
             (``unknown_torch="public_api"`` on a torch the patch cannot run on), and what it
             costs. (Default: ``None``)
     """
-
-    model: nn.Module
-    rules: PrecisionRules
-    units: tuple[PlannedUnit, ...]
-    declarations: tuple[Declaration, ...]
-    claims: tuple[RuleClaims, ...]
-    world_size: int = 1
-    reshard_after_forward: bool | int | None = None
-    hsdp: bool = False
-    replicated: tuple[PlannedParam, ...] = ()
-    unit_choice: UnitChoice | None = None
-    found_advice: PrecisionAdvice | None = None
-    fallback: str | None = None
-
-    # ----------------------------------------------------------------- reading
-
-    @functools.cached_property
-    def params_by_fqn(self) -> dict[str, PlannedParam]:
-        """Every planned parameter under each of its names (aliases included), the replicated
-        0-dim ones too."""
-        params = [*(p for u in self.units for p in u.params), *self.replicated]
-        return {fqn: p for p in params for fqn in (p.fqn, *p.aliases)}
-
-    @functools.cached_property
-    def unit_names(self) -> dict[str, str]:
-        """Each planned parameter's names (aliases included) -> the name of its unit."""
-        return {fqn: u.name for u in self.units for p in u.params for fqn in (p.fqn, *p.aliases)}
-
-    @functools.cached_property
-    def module_casts(self) -> dict[str, ModuleCast]:
-        """Root-relative module FQN -> the boundary cast of every module a unit keeps whole."""
-        return {fqn: cast for unit in self.units for fqn, cast in unit.module_casts.items()}
-
-    @property
-    def upcasts(self) -> tuple[PlannedParam, ...]:
-        """The parameters whose storage :meth:`apply` upcasts exactly to the dtype a user rule
-        keeps them in (``PlannedParam.upcast_from``: a bf16 checkpoint's router kept in fp32)."""
-        return tuple(p for u in self.units for p in u.params if p.upcast_from is not None)
-
-    @functools.cached_property
-    def advice(self) -> PrecisionAdvice | None:
-        """The precision advisor's findings among the parameters this plan computes in a
-        dtype narrower than fp32 (``None`` with ``PrecisionRules(advice="off")``): traced from
-        the model's forward (its ``dummy_inputs``) when first read, before :meth:`apply`."""
-        if self.rules.advice == "off":
-            return None
-        found = self.found_advice if self.found_advice is not None else advise(self.model)
-        low = [
-            fqn
-            for fqn, p in self.params_by_fqn.items()
-            if p.compute is not None and p.compute.itemsize < 4
-        ]
-        return found.only(low)
-
-    @property
-    def rule_claims(self) -> dict[str, list[str]]:
-        """Display form of :attr:`claims`: rule label -> claimed FQNs."""
-        return {label: list(c.fqns) for label, c in report.claim_labels(self.claims)}
-
-    @property
-    def knobs(self) -> cost.Knobs:
-        """The FSDP knobs the collective counts follow."""
-        return cost.Knobs(reshard_after_forward=self.reshard_after_forward, hsdp=self.hsdp)
 
     # ----------------------------------------------------------------- applying
 
@@ -178,17 +111,6 @@ class PrecisionPlan:
         preflight.check_plan(self, ignored_params or set())
 
     # ----------------------------------------------------------------- reporting
-
-    def collectives(self, unit: PlannedUnit) -> cost.Collectives:
-        """Collectives of ``unit`` in one forward+backward under the plan's knobs."""
-        return cost.unit_collectives(unit, self.knobs)
-
-    def totals(self) -> dict[str, Any]:
-        """Units, collectives per step and bytes all-gathered per step, for this plan."""
-        totals = cost.totals(self.units, self.world_size, self.knobs)
-        # Each trainable replicated (0-dim) parameter: one gradient all-reduce per backward.
-        totals["all_reduces_per_step"] += sum(p.reduce is not None for p in self.replicated)
-        return totals
 
     def alternatives(self) -> dict[str, dict[str, Any]]:
         """The same model under a uniform policy and under separate units."""

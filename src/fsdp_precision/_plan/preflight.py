@@ -10,22 +10,19 @@ first, on the parameters each call will manage.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._plan.data import PlanData
 from fsdp_precision._policy.refusals import check_planned_call
 from fsdp_precision._releases import SUPPORTED_RELEASES, torch_release
-
-if TYPE_CHECKING:
-    from fsdp_precision._plan.plan import PrecisionPlan
 
 __all__ = ["check_plan"]
 
 
-def check_plan(plan: PrecisionPlan, ignored_params: Collection[nn.Parameter]) -> None:
+def check_plan(plan: PlanData, ignored_params: Collection[nn.Parameter]) -> None:
     """Raise what any planned call would refuse; touches nothing."""
     _check_order(plan)
     ignored = {id(p) for p in ignored_params}
@@ -46,7 +43,7 @@ def check_plan(plan: PrecisionPlan, ignored_params: Collection[nn.Parameter]) ->
             check_planned_call(unit.modules, params, unit.policy)
 
 
-def _check_order(plan: PrecisionPlan) -> None:
+def _check_order(plan: PlanData) -> None:
     """A unit planned after a unit that contains it: ``fully_shard`` would fail on it inside
     torch ("Invariant encountered: value was None") with the outer unit already wrapped."""
     inside: dict[int, str] = {}  # id of every module under a unit planned so far -> that unit

@@ -15,12 +15,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_precision._plan import cost
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._plan.quantized import wire_itemsize
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._rules.rules import AnyRule, rule_label
 
-__all__ = ["PlannedParam", "PlannedUnit", "RuleClaims", "kept_reasons"]
+__all__ = ["PlannedParam", "PlannedUnit", "RuleClaims", "gather_bytes", "kept_reasons"]
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class PlannedUnit:
 
     def gather_bytes(self, world_size: int = 1) -> dict[str, int]:
         """Bytes of one all-gather of this unit, by compute dtype (with dim-0 padding)."""
-        return cost.gather_bytes(self.params, world_size)
+        return gather_bytes(self.params, world_size)
 
     @property
     def trainable(self) -> bool:
@@ -182,3 +183,14 @@ def kept_reasons(
         why = rule_label(p.claimed_by) if p.claimed_by is not None else f"stored in {p.storage}"
         reasons.update(dict.fromkeys((p.fqn, *p.aliases), why))
     return reasons
+
+
+def gather_bytes(params: Iterable[PlannedParam], world_size: int) -> dict[str, int]:
+    """Bytes of one all-gather of ``params``, by compute dtype, or by the format a tensor
+    subclass gathers itself in (``"float8"``), with dim-0 padding."""
+    out: dict[str, int] = {}
+    for p in params:
+        key = p.gathered_as or dtype_name(p.compute)
+        size = (wire_itemsize(p.gathered_as) if p.gathered_as else None) or p.compute.itemsize
+        out[key] = out.get(key, 0) + p.padded_numel(world_size) * size
+    return out

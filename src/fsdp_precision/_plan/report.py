@@ -5,41 +5,21 @@ Display labels of rules are made here only; the plan keys its claims by rule ide
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fsdp_precision._base.dtypes import dtype_name, optional_name
 from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan import cost
+from fsdp_precision._plan.data import PlanData, claim_labels
 from fsdp_precision._plan.meshes import Meshes, mesh_lines, mesh_totals
-from fsdp_precision._plan.records import PlannedUnit, RuleClaims
+from fsdp_precision._plan.records import PlannedUnit
 from fsdp_precision._plan.separate import separate_units_plan
 from fsdp_precision._rules.rules import rule_label
 
-if TYPE_CHECKING:
-    from fsdp_precision._plan.plan import PrecisionPlan
-
-__all__ = ["alternatives", "claim_labels", "explain", "to_dict"]
+__all__ = ["alternatives", "explain", "to_dict"]
 
 
-def claim_labels(claims: Iterable[RuleClaims]) -> list[tuple[str, RuleClaims]]:
-    """A distinct display label per rule: its label, with its dtype (and position) if needed."""
-    claims = list(claims)
-    plain = [rule_label(c.rule) for c in claims]
-    typed = [
-        f"{label} -> {dtype_name(c.rule.dtype)}" for label, c in zip(plain, claims, strict=True)
-    ]
-
-    def label(i: int) -> str:
-        if plain.count(plain[i]) == 1:
-            return plain[i]
-        return typed[i] if typed.count(typed[i]) == 1 else f"{typed[i]} (#{i})"
-
-    labels = [label(i) for i in range(len(claims))]
-    return list(zip(labels, claims, strict=True))
-
-
-def alternatives(plan: PrecisionPlan) -> dict[str, dict[str, Any]]:
+def alternatives(plan: PlanData) -> dict[str, dict[str, Any]]:
     """The same model under a uniform policy and under separate units (same cost model)."""
     base = plan.totals()
     uniform_bytes = 0
@@ -69,7 +49,7 @@ def alternatives(plan: PrecisionPlan) -> dict[str, dict[str, Any]]:
     }
 
 
-def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
+def _unit_dict(plan: PlanData, u: PlannedUnit) -> dict[str, Any]:
     counts = plan.collectives(u)
     return {
         "name": u.name,
@@ -108,7 +88,7 @@ def _unit_dict(plan: PrecisionPlan, u: PlannedUnit) -> dict[str, Any]:
     }
 
 
-def to_dict(plan: PrecisionPlan, *, meshes: Meshes | None = None) -> dict[str, Any]:
+def to_dict(plan: PlanData, *, meshes: Meshes | None = None) -> dict[str, Any]:
     """JSON-ready form of the plan; with ``meshes``, their totals under ``"meshes"``."""
     return {
         "model": type(plan.model).__name__,
@@ -140,11 +120,11 @@ def to_dict(plan: PrecisionPlan, *, meshes: Meshes | None = None) -> dict[str, A
         "advice": plan.advice.to_dict() if plan.advice is not None else None,
         "totals": plan.totals(),
         "meshes": mesh_totals(plan, meshes) if meshes is not None else None,
-        "alternatives": plan.alternatives(),
+        "alternatives": alternatives(plan),
     }
 
 
-def explain(plan: PrecisionPlan, *, max_params: int = 12, meshes: Meshes | None = None) -> str:
+def explain(plan: PlanData, *, max_params: int = 12, meshes: Meshes | None = None) -> str:
     """Per unit, who claimed what, bytes per all-gather, collectives; then the rules; with
     ``meshes``, per pipeline stage and rank beside FSDP."""
     lines = [
@@ -196,7 +176,7 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12, meshes: Meshes | None 
         if not d.params:
             what = f"buffers only: {', '.join(sorted(d.buffers)[:3])}" if d.buffers else "nothing"
             lines.append(f"    {d.source} {d.pattern!r}: matches {what}")
-    totals, alt = plan.totals(), plan.alternatives()
+    totals, alt = plan.totals(), alternatives(plan)
     separate = alt["separate_units"]
     lines += [
         "",
@@ -225,7 +205,7 @@ def explain(plan: PrecisionPlan, *, max_params: int = 12, meshes: Meshes | None 
     return "\n".join(lines)
 
 
-def _placement_lines(plan: PrecisionPlan) -> list[str]:
+def _placement_lines(plan: PlanData) -> list[str]:
     """The replicated 0-dim parameters and the modules refused as units, with the reasons."""
     lines: list[str] = []
     if plan.replicated:
@@ -243,7 +223,7 @@ def _placement_lines(plan: PrecisionPlan) -> list[str]:
     return lines
 
 
-def _unit_lines(plan: PrecisionPlan, unit: PlannedUnit, max_params: int) -> list[str]:
+def _unit_lines(plan: PlanData, unit: PlannedUnit, max_params: int) -> list[str]:
     counts = plan.collectives(unit)
     ag, rs = counts.all_gathers, counts.reduce_scatters
     by_dtype = ", ".join(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -23,13 +23,14 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.casts import activation_dtype
 from fsdp_precision._plan.claims import Claimed
+from fsdp_precision._plan.data import PlanData
 from fsdp_precision._plan.units import CONTAINERS
 from fsdp_precision._plan.upcast import upcast_storage
 
-if TYPE_CHECKING:
-    from fsdp_precision._plan.plan import PrecisionPlan
-
 __all__ = ["SeparateUnit", "separate_layout", "separate_units_plan", "wrap_separate_units"]
+
+#: A plan's class (``PrecisionPlan``): the separate-units plan is one of the same class.
+Plan = TypeVar("Plan", bound=PlanData)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _inside(names: Sequence[str], fqn: str) -> bool:
     return any(not n or fqn.startswith(n + ".") for n in names)
 
 
-def separate_layout(plan: PrecisionPlan) -> tuple[SeparateUnit, ...]:
+def separate_layout(plan: PlanData) -> tuple[SeparateUnit, ...]:
     """The ``fully_shard`` calls that express ``plan`` with separate units, in order.
 
     Raises :class:`ParamDtypeMapError` with the reason when they cannot: a module holding kept
@@ -183,7 +184,7 @@ def _contains(outer: Sequence[str], inner: Sequence[str]) -> bool:
     return any(_inside([o], i) and i != o for o in outer for i in inner)
 
 
-def separate_units_plan(plan: PrecisionPlan) -> PrecisionPlan:
+def separate_units_plan(plan: Plan) -> Plan:
     """``plan`` expressed with separate units: the units of :func:`separate_layout`, built and
     checked to compute every parameter in its planned dtype."""
     model = plan.model
@@ -220,9 +221,7 @@ def separate_units_plan(plan: PrecisionPlan) -> PrecisionPlan:
     return replace(plan, units=units)
 
 
-def wrap_separate_units(
-    model: nn.Module, plan: PrecisionPlan, **fully_shard_kwargs: Any
-) -> nn.Module:
+def wrap_separate_units(model: nn.Module, plan: PlanData, **fully_shard_kwargs: Any) -> nn.Module:
     """Wrap ``model`` the public-API way ``plan`` says, with separate units; return it.
 
     ``model`` has the planned model's structure (e.g. a ``copy.deepcopy`` of it made before
