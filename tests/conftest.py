@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.conformance)
         if _INTEGRATIONS in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
-        elif "distributed" not in item.keywords:
+        elif "distributed" not in item.keywords and "integration" not in item.keywords:
             item.add_marker(pytest.mark.fast)
 
 

@@ -51,11 +51,14 @@ class Build:
         kept: The description the model directory's record gave.
         architecture: The model's architecture name.
         engine_names: Each kept tensor's engine name -> its checkpoint name.
+        fused: Kept checkpoint names the engine loads as one shard of a fused tensor -> that
+            tensor's engine name.
     """
 
     kept: EngineKept
     architecture: str
     engine_names: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, str] = field(default_factory=dict)
 
     def dtype_of(self, engine_name: str) -> torch.dtype | None:
         """The kept dtype of the engine tensor ``engine_name`` (``None``: the bulk)."""
@@ -73,16 +76,22 @@ def building() -> Build | None:
 
 @contextmanager
 def build(
-    kept: EngineKept, architecture: str, rename: Callable[[str], str | None]
+    kept: EngineKept,
+    architecture: str,
+    rename: Callable[[str], str | None],
+    fused: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[Build]:
     """Make :func:`building` return the build of a model whose checkpoint names map to engine
-    names by ``rename`` (``None``: the engine drops the name)."""
-    names = {}
+    names by ``rename`` (``None``: the engine drops the name); ``fused`` says which checkpoint
+    names the engine loads as a shard of a fused tensor (q/k/v into ``qkv_proj``)."""
+    names, shards = {}, {}
     for checkpoint in kept.tensors:
         engine = rename(checkpoint)
-        if engine is not None:
+        if engine is not None and fused(checkpoint):
+            shards[checkpoint] = engine
+        elif engine is not None:
             names[engine] = checkpoint
-    current = Build(kept, architecture, names)
+    current = Build(kept, architecture, names, shards)
     token = _BUILD.set(current)
     try:
         yield current
@@ -98,8 +107,15 @@ class Held:
         params = dict(model.named_parameters(remove_duplicate=False))
         modules = dict(model.named_modules(remove_duplicate=False))
         problems: list[str] = []
-        dropped = sorted(set(current.kept.tensors) - set(current.engine_names.values()))
+        dropped = sorted(
+            set(current.kept.tensors) - set(current.engine_names.values()) - set(current.fused)
+        )
         problems += [f"{name}: vLLM's {current.architecture} drops it on load" for name in dropped]
+        problems += [
+            f"{name}: vLLM's {current.architecture} loads it as one shard of the fused "
+            f"{engine!r}, held in the bulk dtype {dtype_name(current.kept.bulk)} with the others"
+            for name, engine in sorted(current.fused.items())
+        ]
         converted = []
         for engine, checkpoint in sorted(current.engine_names.items()):
             dtype = current.kept.tensors[checkpoint]
@@ -148,6 +164,13 @@ class Held:
                 f"{checkpoint}: vLLM's {kind} {owner_name!r} holds it in "
                 f"{dtype_name(param.dtype)}, and training recorded no boundary cast for the "
                 f"module to compute it in {dtype_name(dtype)}"
+            )
+        if recorded is not None and not recorded.cast.outputs:
+            return (
+                f"{checkpoint}: training's {kind} {owner_name!r} returned its outputs in "
+                f"{dtype_name(dtype)}, which would reach vLLM's {dtype_name(param.dtype)} "
+                "kernels; only routers (built by the integration) and modules whose outputs "
+                "are cast back (norms) are held in another dtype"
             )
         param.data = torch.empty_like(param.data, dtype=dtype)  # the same Parameter, its loader
         if recorded is not None and installed_cast(owner) is None:

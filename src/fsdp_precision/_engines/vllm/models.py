@@ -47,11 +47,19 @@ def _renamer(cls: type[nn.Module]) -> Any:
     return mapper.map_name
 
 
+def _fused(cls: type[nn.Module]) -> Any:
+    """Whether the class's mapper loads a checkpoint name as a shard of a fused tensor (its
+    ``orig_to_new_stacked``: ``.q_proj`` into ``.qkv_proj``). Hand-written loaders fuse without
+    the mapper: their names map to no engine parameter, which the build refuses as well."""
+    stacked = tuple(getattr(getattr(cls, "hf_to_vllm_mapper", None), "orig_to_new_stacked", {}))
+    return lambda name: any(f"{key}." in name for key in stacked)
+
+
 @functools.cache
 def model_class(architecture: str) -> type[nn.Module]:
     """vLLM's model class for ``architecture``, subclassed to hold what training kept."""
     base = _original(architecture)
-    rename = _renamer(base)
+    rename, fused = _renamer(base), _fused(base)
 
     class Kept(base):  # type: ignore[valid-type,misc]  # vLLM's classes are untyped here
         _fsdp_precision_model = True
@@ -62,7 +70,7 @@ def model_class(architecture: str) -> type[nn.Module]:
             if kept is None:
                 super().__init__(vllm_config=vllm_config, prefix=prefix)
             else:
-                with build(kept, architecture, rename) as current:
+                with build(kept, architecture, rename, fused) as current:
                     super().__init__(vllm_config=vllm_config, prefix=prefix)
                 self_held = Held(self, current)
                 repair_expert_updates(self)
