@@ -67,6 +67,48 @@ def test_a_kept_module_is_wrapped_after_the_planned_unit_inside_it() -> None:
     assert separate.k.scale.grad.dtype == fp32  # type: ignore[union-attr]
 
 
+class Bare(nn.Module):
+    """``K`` without its own cast: its fp32 output meets the next bf16 layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.scale)
+
+
+class MBare(M):
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = Bare()
+
+
+def _notes(exc: BaseException) -> list[str]:
+    lines = getattr(exc, "__notes__", None) or str(exc).splitlines()  # 3.10: in the message
+    return [line for line in lines if line.startswith("fsdp-precision: ")]
+
+
+def test_the_same_rules_name_the_kept_module_in_every_layout() -> None:
+    """``boundary="none"`` on a module that does not cast for itself: the first forward fails
+    in both layouts, and both add the library's note naming ``k`` and the fix (the separate
+    units raised torch's bare "mat1 and mat2 must have the same dtype"; issue 48)."""
+    notes = {}
+    for layout in ("in_unit", "separate_units"):
+        model = MBare()
+        plan = fp.compile_param_dtype_maps(model, RULES, [model.k.inner, model], layout=layout)
+        assert plan.layout == layout
+        plan.apply()
+        with pytest.raises(RuntimeError, match="same dtype") as info:
+            model(torch.randn(4, 8))
+        notes[layout] = _notes(info.value)
+    assert notes["separate_units"] == notes["in_unit"], notes
+    (note,) = notes["in_unit"]
+    assert "kept modules returned activations in their kept dtype: 'k' (Bare)" in note
+    assert "boundary='inputs_outputs'" in note
+
+
 def test_a_plan_in_an_order_fully_shard_cannot_take_is_refused_untouched() -> None:
     model = M()
     before = copy.deepcopy(model.state_dict())

@@ -23,6 +23,7 @@ from fsdp_precision._base.errors import ParamDtypeMapError
 from fsdp_precision._hf.declarations import declarations
 from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.claims import Claimed, claim_params, fqns_by_param, planned_upcasts
+from fsdp_precision._plan.data import Layout
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam
 from fsdp_precision._plan.replicated import replicated_params
@@ -36,10 +37,6 @@ __all__ = ["LAYOUTS", "UNKNOWN_TORCH", "Layout", "UnknownTorch", "compile_param_
 #: What ``units`` holds: a module, or a list of modules for a grouped call.
 Unit = nn.Module | Sequence[nn.Module]
 
-#: Where parameters kept in another dtype go: ``"in_unit"``, inside their units, one exact map per
-#: call (the patch, or torch 2.15's native override); ``"separate_units"``, every module that
-#: holds them its own unit, public API only, more collectives.
-Layout = Literal["in_unit", "separate_units"]
 LAYOUTS: tuple[Layout, ...] = ("in_unit", "separate_units")
 
 logger = logging.getLogger(__name__)

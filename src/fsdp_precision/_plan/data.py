@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.nn as nn
 
@@ -26,7 +26,12 @@ from fsdp_precision._plan.units import UnitChoice
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._rules.rules import PrecisionRules, rule_label
 
-__all__ = ["PlanData", "claim_labels"]
+__all__ = ["Layout", "PlanData", "claim_labels"]
+
+#: Where parameters kept in another dtype go: ``"in_unit"``, inside their units, one exact map per
+#: call (the patch, or torch 2.15's native override); ``"separate_units"``, every module that
+#: holds them its own unit, public API only, more collectives.
+Layout = Literal["in_unit", "separate_units"]
 
 
 def claim_labels(claims: Iterable[RuleClaims]) -> list[tuple[str, RuleClaims]]:
@@ -63,6 +68,7 @@ class PlanData:
     unit_choice: UnitChoice | None = None
     found_advice: PrecisionAdvice | None = None
     fallback: str | None = None
+    layout: Layout = "in_unit"
 
     # ----------------------------------------------------------------- reading
 

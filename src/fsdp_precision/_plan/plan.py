@@ -20,6 +20,7 @@ from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan import meshes as meshes_mod
 from fsdp_precision._plan import preflight, report
 from fsdp_precision._plan.data import PlanData
+from fsdp_precision._plan.diagnose import computes_kept, install_plan_diagnosis
 from fsdp_precision._plan.meshes import Meshes
 from fsdp_precision._plan.records import PlannedUnit
 from fsdp_precision._plan.replicated import average_gradients
@@ -54,6 +55,9 @@ class PrecisionPlan(PlanData):
         fallback: Why the plan is the public-API layout although another was asked for
             (``unknown_torch="public_api"`` on a torch the patch cannot run on), and what it
             costs. (Default: ``None``)
+        layout: Where its kept parameters go: ``"in_unit"`` (inside their units, exact maps)
+            or ``"separate_units"`` (each module holding them its own unit, plain policies).
+            (Default: ``"in_unit"``)
     """
 
     # ----------------------------------------------------------------- applying
@@ -91,6 +95,8 @@ class PrecisionPlan(PlanData):
             fully_shard(target, mp_policy=unit.policy, **kwargs)
             _cast_inputs_of_plain_unit(unit)
         average_gradients(scalars, kwargs.get("mesh"))
+        if self.layout == "separate_units":  # no map names a kept module: the same notes
+            install_plan_diagnosis(self.model, self, kept=computes_kept(self))
         # Mapped units had it done by their construction step; the others are plain calls.
         keep_output_recording([m for u in self.units if not u.param_dtype_map for m in u.modules])
         return self.model

@@ -218,7 +218,7 @@ def separate_units_plan(plan: Plan) -> Plan:
                     f"{p.fqn!r} would compute in {dtype_name(p.compute)} in unit {unit.name}, "
                     f"planned {dtype_name(planned[p.fqn])}"
                 )
-    return replace(plan, units=units)
+    return replace(plan, units=units, layout="separate_units")
 
 
 def wrap_separate_units(model: nn.Module, plan: PlanData, **fully_shard_kwargs: Any) -> nn.Module:

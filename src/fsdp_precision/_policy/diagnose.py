@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten
 
 from fsdp_precision._base.dtypes import dtype_name
@@ -33,6 +34,7 @@ from fsdp_precision._policy.casts import ModuleCast, incoming_dtype, installed_c
 __all__ = [
     "NOTE_PREFIX",
     "KeptModule",
+    "class_name",
     "install_diagnosis",
     "is_dtype_mismatch",
     "kept_modules",
@@ -69,6 +71,16 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     elif exc.args and isinstance(exc.args[0], str):  # 3.10: into the message
         exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's own class name: the class ``fully_shard`` swapped in (``FSDPLinear``, a
+    subclass of ``FSDPModule`` and the module's class) named as the model defines it."""
+    cls: type = type(module)
+    if issubclass(cls, FSDPModule):
+        own = [base for base in cls.__bases__ if not issubclass(base, FSDPModule)]
+        cls = own[0] if own else cls
+    return cls.__name__
 
 
 def _dtypes(tree: Any) -> list[torch.dtype]:
@@ -158,7 +170,7 @@ def install_diagnosis(call_modules: Sequence[nn.Module], kept: Sequence[KeptModu
     for member in call_modules:
         if getattr(member, _ATTR, None) is not None:
             continue
-        call = _Call(type(member).__name__)
+        call = _Call(class_name(member))
         setattr(member, _ATTR, call)
         member.register_forward_pre_hook(call.pre)
         member.register_forward_hook(call.post, always_call=True)
@@ -198,7 +210,7 @@ class _KeptWatch:
         if exc is None:  # returned: record activations that leave in another dtype
             out = _dtypes(output)
             if came is not None and out and out[0] != came:
-                self.call.wide.append((self.entry.name, type(module).__name__, came, out[0]))
+                self.call.wide.append((self.entry.name, class_name(module), came, out[0]))
             elif came is not None and out:  # cast back: what its kept insides returned stays in
                 del self.call.wide[wide_before:]
             return
@@ -216,7 +228,7 @@ def _shown(params: Sequence[tuple[str, torch.dtype]]) -> str:
 
 
 def _inside_note(entry: KeptModule, module: nn.Module, came: torch.dtype | None) -> str:
-    where = f"module {entry.name or '<the fully_shard module>'!r} ({type(module).__name__})"
+    where = f"module {entry.name or '<the fully_shard module>'!r} ({class_name(module)})"
     got = f" got {dtype_name(came)} inputs and" if came is not None else ""
     cast: ModuleCast | None = installed_cast(module)
     kept = f"holds kept {_shown(entry.params)}"

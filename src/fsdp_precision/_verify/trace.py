@@ -15,18 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from fsdp_precision._advise.usage import call_forward, on_model_device
+from fsdp_precision._plan.diagnose import install_plan_diagnosis
 from fsdp_precision._plan.plan import PrecisionPlan
-from fsdp_precision._policy.casts import installed_cast
-from fsdp_precision._policy.diagnose import (
-    install_diagnosis,
-    is_dtype_mismatch,
-    kept_modules,
-    notes_of,
-)
+from fsdp_precision._policy.diagnose import is_dtype_mismatch, notes_of
 from fsdp_precision._verify.inputs import InputWatch, RoundedInput
 from fsdp_precision._verify.reference import Reference
 
@@ -65,7 +59,7 @@ def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
     outputs; nothing of ``plan.model`` is modified. The inputs move to the model's device."""
     reference = Reference(plan)
     module = reference.module
-    _diagnose(module, plan)
+    install_plan_diagnosis(module, plan, kept=lambda p: p.mapped)  # what construction names
     watch = InputWatch(module, plan)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -87,22 +81,3 @@ def trace_compute_dtypes(plan: PrecisionPlan, inputs: Any) -> DtypeTrace:
             rounded_inputs=watch.seen(),
         )
     return DtypeTrace(ok=True, rounded_inputs=watch.seen())
-
-
-def _diagnose(module: nn.Module, plan: PrecisionPlan) -> None:
-    """The construction step's naming hooks on the reference's units."""
-    names = {id(m): n for n, m in plan.model.named_modules(remove_duplicate=False)}
-    planned = plan.params_by_fqn
-    for unit in plan.units:
-        roots = [names[id(m)] for m in unit.modules]
-        members = [module.get_submodule(n) for n in roots]
-        by_slot: dict[tuple[int, str], torch.dtype] = {}
-        for root, member in zip(roots, members, strict=True):
-            for prefix, sub in member.named_modules(remove_duplicate=False):
-                for attr in sub._parameters:
-                    p = planned.get(".".join(part for part in (root, prefix, attr) if part))
-                    if p is not None and p.mapped:
-                        by_slot[(id(sub), attr)] = p.compute
-        casts = [(m, c) for member in members for m in member.modules() if (c := installed_cast(m))]
-        if by_slot or casts:
-            install_diagnosis(members, kept_modules(members, by_slot, casts))
