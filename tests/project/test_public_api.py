@@ -51,6 +51,10 @@ SURFACE = {
         "ARCHITECTURES", "TESTED_VLLM", "WeightReceiver", "register", "repair_expert_updates",
         "update_weights",
     ],
+    "fsdp_precision.integrations.sglang": [
+        "ARCHITECTURES", "READ_SGLANG", "DistributedUpdate", "FlatTensor", "SGLangSettings",
+        "distributed_updates", "sglang_settings", "update_payloads",
+    ],
     "fsdp_precision.testing": [
         "Collective", "CollectiveRecorder", "Comparison", "GatherProbe", "GatheredParam",
         "ParamParity", "ParityReport", "TinyConfig", "TinyDecoder", "gather_across_ranks",
