@@ -42,7 +42,7 @@ from fsdp_precision.integrations.vllm import (  # noqa: E402
     update_weights,
 )
 
-from tests.engines.families import FAMILIES, GATES, build, export_family  # noqa: E402
+from tests.engines.families import FAMILIES, GATES, export_family  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -158,19 +158,23 @@ def test_every_covered_family_holds_what_training_kept(family: str, tmp_path: Pa
     assert len(outs[0].outputs[0].token_ids) == 4
 
 
-def mixed_copy(path: Path, seed: int) -> torch.nn.Module:
-    """The trainer's model as a stream source without a process group: the export's family at
-    its stored dtypes (bulk bf16, routers fp32), the routers given new fp32 values."""
-    model = build("qwen3_moe").to(bf16)
-    files = file_tensors(path)
-    state = {k: v for k, v in files.items() if k in dict(model.named_parameters())}
+def mixed_copy(path: Path, seed: int | None) -> torch.nn.Module:
+    """The trainer's model as a stream source without a process group: the export loaded by
+    transformers (bulk bf16) with its routers kept in fp32 (``restore_kept``), the routers then
+    given new fp32 values (an RL step's update)."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_precision.checkpoint import restore_kept
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=bf16)
+    restore_kept(model, path)
+    if seed is None:
+        return model
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
-                param.data = torch.randn(param.shape, generator=g) * 0.05
-            elif name in state:
-                param.copy_(state[name])
+                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
     return model
 
 
@@ -191,6 +195,12 @@ def test_an_update_from_full_weights_lands_the_routers_exactly(
 
 
 def restore(llm: Any, path: Path, how: str) -> None:
+    """Put the export's own weights back into ``llm``, in place: its files through
+    ``update_weights`` or vLLM's own ``reload_weights``, or the trainer's stream
+    (``full_weights`` of the model transformers loads from it, routers restored in fp32)."""
+    if how == "full_weights":
+        update_weights(llm, full_weights(mixed_copy(path, seed=None)))
+        return
     weights = list(file_tensors(path).items())
     if how == "update_weights":
         update_weights(llm, weights)
@@ -201,12 +211,14 @@ def restore(llm: Any, path: Path, how: str) -> None:
         )
 
 
-@pytest.mark.parametrize("how", ["update_weights", "reload_weights"])
-def test_after_an_update_the_experts_compute_as_after_a_fresh_load(
+@pytest.mark.parametrize("how", ["update_weights", "reload_weights", "full_weights"])
+def test_after_an_update_the_engine_computes_as_after_a_fresh_load(
     qwen: Path, kept_engine: Any, how: str
 ) -> None:
     restore(kept_engine, qwen, "update_weights")
     fresh = prompt_logprobs(engine(qwen))
+    update_weights(kept_engine, full_weights(mixed_copy(qwen, seed=3)))  # something else first
+    assert not torch.equal(prompt_logprobs(kept_engine), fresh)
     restore(kept_engine, qwen, how)
     assert torch.equal(prompt_logprobs(kept_engine), fresh)
 
