@@ -154,8 +154,8 @@ KNOB_EFFECTS: dict[Knob, str] = {
         "kernels, the 'pytorch' sampling backend, an attention backend among fa3, fa4, "
         "flashinfer and triton, no radix cache with flashinfer; arg_groups/attention_hook.py: "
         "handle_deterministic_inference); allocates Qwen2/Qwen3's embed_tokens in fp32 (and a "
-        "tied LM head with it); keeps the residual stream and the final norm's output in fp32 "
-        "(training's kept norms cast their outputs back to the bulk dtype); casts attention "
+        "tied LM head with it); keeps Qwen3's residual stream and the final norm's output in "
+        "fp32 (training's kept norms cast their outputs back to the bulk dtype); casts attention "
         "and MLP inputs to bfloat16; computes the logits bfloat16 x bfloat16 unless "
         "--enable-fp32-lm-head; and logprobs by log_softmax of bfloat16 logits (sampler.py)"
     ),
