@@ -104,7 +104,7 @@ def trainer(args: argparse.Namespace, out: str) -> dict[str, Any]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     train_seconds = time.perf_counter() - start
     export_safetensors(model, out, dtype=BF16)
     reference = reference_of(model, prompts_of(data, args.prompts, args.seq))

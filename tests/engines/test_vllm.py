@@ -369,3 +369,33 @@ def test_an_engine_in_another_process_receives_the_kept_dtypes(qwen: Path) -> No
         if n.endswith("mlp.gate.weight")
     }
     assert read_back(llm, new, dict.fromkeys(new, fp32)) == dict.fromkeys(new)
+
+
+def test_the_rl_example_hands_off_to_vllm_and_resumes(tmp_path: Path) -> None:
+    """``examples/rl_handoff_vllm.py`` as a user runs it: two iterations, then a fresh launch that
+    resumes; every hand-off reaches vLLM with its routers in fp32, computing the policy's top-2."""
+    from fsdp_precision._base.dist import free_port
+
+    def launch(iterations: int) -> str:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(ROOT / "examples" / "rl_handoff_vllm.py"), "--output", str(tmp_path),
+            "--iterations", str(iterations),
+        ]  # fmt: skip
+        out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    first = launch(2)
+    assert "first launch" in first
+    assert (
+        "vLLM holds its routers as ['KeptGateLinear torch.float32', 'KeptGateLinear torch.float32']"
+        in first
+    )
+    for step in (1, 2):
+        assert f"step {step}: " in first and "2 kept in torch.float32" in first
+    assert first.count("top-2 as the policy's in 2/2 layers") == 2
+    second = launch(1)
+    assert "resumed from step 2" in second and "step 3: " in second
+    assert "top-2 as the policy's in 2/2 layers" in second

