@@ -1,0 +1,231 @@
+"""One model, every peer: applied to copies of it on each rank, measured side by side.
+
+Per peer, on the first step (recorded, untimed): the FSDP units, the all-gathers and
+reduce-scatters and their bytes (``CollectiveRecorder``), the dtype each kept parameter was
+all-gathered in (``GatherProbe``), the dtypes its module computed in (the weight as the module
+read it, its input, its output), the loss and every gradient against an fp32 reference (the same
+model unsharded in fp32 on every rank, its gradients averaged over the ranks as FSDP averages),
+and a digest of what it computed, so pairs that are bitwise equal show. Then ``steps`` training
+steps, every peer stepped once per iteration in an order reversed every other iteration; a step's
+time is its slowest rank's. Peak memory is measured apart, one peer per process group
+(:func:`memory`), since a process's high-water mark holds every model it built.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import resource
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+
+BF16, FP32 = torch.bfloat16, torch.float32
+SEQ, BATCH, VOCAB = 64, 4, 256
+
+#: The models: a Qwen3-MoE whose routers are kept, a dense Llama whose norms are kept.
+KEPT = {"moe": ("*.mlp.gate.weight",), "dense": ("*norm.weight",)}
+
+
+def build(family: str, seed: int = 0, smoke: bool = False) -> nn.Module:
+    """The family's model at its benchmark size, fp32 master weights, seeded."""
+    import transformers
+
+    size = {"vocab_size": VOCAB, "hidden_size": 64 if smoke else 128,
+            "num_hidden_layers": 2 if smoke else 4, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 2 * SEQ}  # fmt: skip
+    if family == "moe":
+        config = transformers.Qwen3MoeConfig(
+            **size, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+            num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(**size, intermediate_size=256)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=FP32)
+
+
+def kept_names(model: nn.Module, kept: Sequence[str]) -> list[str]:
+    """The parameter names the globs ``kept`` claim."""
+    return [n for n, _ in model.named_parameters() if any(fnmatch.fnmatchcase(n, k) for k in kept)]
+
+
+def batch(step: int) -> torch.Tensor:
+    """Different tokens on every rank and step."""
+    g = torch.Generator().manual_seed(10_000 * step + dist.get_rank())
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+class Computed:
+    """Forward hooks on the modules holding kept parameters: the dtypes they computed in."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        self.seen: dict[str, dict[str, str]] = {}
+        modules = dict(model.named_modules())
+        owners = sorted({n.rpartition(".")[0] for n in names})
+        self.handles = [modules[o].register_forward_hook(self._hook(o)) for o in owners]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name in self.seen:
+                return
+            out = output[0] if isinstance(output, tuple) else output
+            floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            weight = next(iter(module.parameters(recurse=False)), None)
+            self.seen[name] = {
+                "weight": str(weight.dtype).removeprefix("torch.") if weight is not None else "",
+                "input": str(floating[0].dtype).removeprefix("torch.") if floating else "",
+                "output": str(out.dtype).removeprefix("torch.")
+                if isinstance(out, torch.Tensor)
+                else "",
+            }
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> torch.Tensor:
+    ids = batch(step)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach().float()
+
+
+def reference_grads(base: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The fp32 model's step-0 loss (this rank's batch) and gradients averaged over the ranks."""
+    model = copy.deepcopy(base)
+    ids = batch(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        g = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(g)
+        grads[name] = g / dist.get_world_size()
+    return loss.detach(), grads
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def synced(seconds: float) -> float:
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def measure(
+    peers: Sequence[ModuleType], family: str, steps: int, smoke: bool = False
+) -> dict[str, Any]:
+    """Every rank: the peers applied to copies of one model, measured (see the module)."""
+    base = build(family, smoke=smoke)
+    kept = KEPT[family]
+    names = kept_names(base, kept)
+    ref_loss, ref_grads = reference_grads(base)
+    runs: dict[str, dict[str, Any]] = {}
+    models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    for peer in peers:
+        model = copy.deepcopy(base)
+        needed = peer.wrap(model, kept)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        models[peer.NAME] = (model, optim)
+        with CollectiveRecorder() as rec, GatherProbe(model) as probe:
+            computed = Computed(model, names)
+            ids = batch(0)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            computed.close()
+        grads = {n: g for n, p in model.named_parameters() if (g := full(p.grad)) is not None}
+        gathered = {
+            str(probe.seen[n].dtype).removeprefix("torch.") for n in names if n in probe.seen
+        }
+        digest = hashlib.sha256()
+        for n in sorted(grads):
+            digest.update(grads[n].float().numpy().tobytes())
+        digest.update(loss.detach().float().numpy().tobytes())
+        optim.step()
+        optim.zero_grad()
+        runs[peer.NAME] = {
+            "source": peer.SOURCE,
+            "needed": needed,
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "all_gathers": rec.count("all_gather"),
+            "reduce_scatters": rec.count("reduce_scatter"),
+            "all_gather_bytes": sum(c.output_bytes for c in rec.of("all_gather")),
+            "reduce_scatter_bytes": sum(c.input_bytes for c in rec.of("reduce_scatter")),
+            "gathered": sorted(gathered),
+            "computed": computed.seen,
+            "loss_error": float((loss.detach().float() - ref_loss).abs()),
+            "grad_error": relative(torch.cat([g.reshape(-1) for g in grads.values()]),
+                                   torch.cat([ref_grads[n].reshape(-1) for n in grads])),
+            "kept_grad_error": max(relative(grads[n], ref_grads[n]) for n in names),
+            "digest": digest.hexdigest(),
+            "times": [],
+        }  # fmt: skip
+    reference = copy.deepcopy(base)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    reference_step(reference, ref_optim, 0)
+    for step in range(1, steps + 1):
+        order = list(models) if step % 2 else list(reversed(models))
+        for name in order:
+            model, optim = models[name]
+            dist.barrier()
+            start = time.perf_counter()
+            loss = train_step(model, optim, step)
+            runs[name]["times"].append(synced(time.perf_counter() - start))
+            runs[name]["last_loss"] = float(loss)
+        ref_last = reference_step(reference, ref_optim, step)
+    for run in runs.values():
+        run["last_loss_error"] = abs(run.pop("last_loss", ref_loss) - ref_last) if steps else 0.0
+    return runs
+
+
+def reference_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    """One step of the unsharded fp32 model, gradients averaged over the ranks as FSDP does."""
+    ids = batch(step)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+    optim.step()
+    optim.zero_grad()
+    return float(loss.detach())
+
+
+def memory(peer: ModuleType, family: str, steps: int, smoke: bool = False) -> dict[str, Any]:
+    """Every rank: one peer alone in this process group, ``steps`` steps: the peak RSS of each
+    rank (MiB), and the same just before the model was built (imports, the process group)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model = build(family, smoke=smoke)
+    peer.wrap(model, KEPT[family])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        train_step(model, optim, step)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    both = [None] * dist.get_world_size()
+    dist.all_gather_object(both, (before, peak))
+    return {"before_mib": [b for b, _ in both], "peak_mib": [p for _, p in both]}
