@@ -35,6 +35,9 @@ order they run:
 5. ``kept_compiled``: case 2's ``uniform``, ``kept`` and ``separate`` with every decoder layer
    ``module.compile()``d after wrapping (inductor; compile time, graph breaks and recompiles
    recorded). Goal for kept / uniform: at most 1.03.
+6. ``peers``: ``benchmarks/bench_peers.py``'s comparison (torch's uniform policy, this library,
+   separate fp32 units, torchtitan's router under fp32 autocast) on its Qwen3-MoE, composed from
+   that benchmark's own functions: units, collectives, kept dtypes, errors, paired step ratios.
 
 Timing: each variant is its own copy of the model (the same weights: built from one seed) with
 its own optimizer. Every iteration steps every variant of a block once, in an order reversed
@@ -89,6 +92,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import bench_peers  # benchmarks/, the script's own directory
 import fsdp_precision as fp
 from fsdp_precision.checkpoint import export_safetensors
 from fsdp_precision.testing import CollectiveRecorder, process_group
@@ -96,7 +100,7 @@ from fsdp_precision.testing import CollectiveRecorder, process_group
 BF16, FP32 = torch.bfloat16, torch.float32
 RESULTS_FILE = "gpu-results.json"
 #: Cases in the order they run; each is recorded in the JSON, run, skipped or failed.
-CASES = ("overhead", "kept_eager", "export", "wan_block", "kept_compiled")
+CASES = ("overhead", "kept_eager", "export", "wan_block", "kept_compiled", "peers")
 #: Cases that may be recorded as skipped (with the reason) in a complete run.
 OPTIONAL_CASES = ("wan_block",)
 #: The timed cases: their variants, and the reference of their ratios. Wan has no "separate":
@@ -125,6 +129,7 @@ WEIGHTS = {
     "export": 0.5,
     "wan_block": 1.0,
     "kept_compiled": 3.0,
+    "peers": 1.0,
 }
 #: ``--smoke``: CPU, gloo, tiny sizes, aot_eager, two iterations, the pairs layout (what the GPU
 #: run takes for kept_eager at the default sizes).
@@ -970,6 +975,8 @@ def run_one(
 ) -> dict[str, Any]:
     if case == "export":
         return run_export(qwen, args, Path(args.export_dir) if args.export_dir else None)
+    if case == "peers":  # bench_peers.py's comparison, composed from its own functions
+        return bench_peers.gpu_case(args.iters)
     work, backend, iters = qwen, None, args.iters
     if case == "wan_block":
         try:
@@ -1002,6 +1009,8 @@ def summary_of_case(case: str, result: dict[str, Any]) -> str:
     if result["status"] != "ok":
         lines.append(f"   {result.get('reason')}")
         return "\n".join(lines)
+    if case == "peers":
+        return "\n".join([*lines, bench_peers.gpu_summary(result)])
     if case == "export":
         lines.append(
             f"   {result['call']}: {result['bytes_written'] / 1e9:.2f} GB in "

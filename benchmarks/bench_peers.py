@@ -146,6 +146,25 @@ HEADER = (
 )
 
 
+def gpu_case(steps: int) -> dict[str, Any]:
+    """``benchmarks/bench_gpu.py``'s ``peers`` case, in its process group (NCCL on a GPU): the
+    peers of this environment side by side on the moe family, summarized."""
+    from peers import harness
+
+    runs = harness.measure([peer(n) for n in LOCAL], "moe", steps)
+    return {"status": "ok", "peers": summarize(runs)}
+
+
+def gpu_summary(result: dict[str, Any]) -> str:
+    """One line per peer, for ``bench_gpu``'s printout."""
+    return "\n".join(
+        f"   {name:<20} units {s['units']:>2}  AG {s['all_gathers']:>3}  "
+        f"RS {s['reduce_scatters']:>3}  kept gathered {'/'.join(s['kept_gathered'])}  "
+        f"step x{s['step_ratio']:.2f}"
+        for name, s in result["peers"].items()
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = []
     for family, data in result["families"].items():

@@ -60,10 +60,17 @@ def kept_names(model: nn.Module, kept: Sequence[str]) -> list[str]:
     return [n for n, _ in model.named_parameters() if any(fnmatch.fnmatchcase(n, k) for k in kept)]
 
 
+def device() -> torch.device:
+    """This rank's GPU where there is one (NCCL), else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def batch(step: int) -> torch.Tensor:
     """Different tokens on every rank and step."""
     g = torch.Generator().manual_seed(10_000 * step + dist.get_rank())
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device())
 
 
 def full(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -131,16 +138,23 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def synced(seconds: float) -> float:
-    t = torch.tensor([seconds])
+    """The slowest rank's time."""
+    t = torch.tensor([seconds], device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def measure(
     peers: Sequence[ModuleType], family: str, steps: int, smoke: bool = False
 ) -> dict[str, Any]:
     """Every rank: the peers applied to copies of one model, measured (see the module)."""
-    base = build(family, smoke=smoke)
+    base = build(family, smoke=smoke).to(device())
     kept = KEPT[family]
     names = kept_names(base, kept)
     ref_loss, ref_grads = reference_grads(base)
@@ -163,8 +177,8 @@ def measure(
         }
         digest = hashlib.sha256()
         for n in sorted(grads):
-            digest.update(grads[n].float().numpy().tobytes())
-        digest.update(loss.detach().float().numpy().tobytes())
+            digest.update(grads[n].float().cpu().numpy().tobytes())
+        digest.update(loss.detach().float().cpu().numpy().tobytes())
         optim.step()
         optim.zero_grad()
         runs[peer.NAME] = {
@@ -192,9 +206,9 @@ def measure(
         for name in order:
             model, optim = models[name]
             dist.barrier()
-            start = time.perf_counter()
+            start = now()
             loss = train_step(model, optim, step)
-            runs[name]["times"].append(synced(time.perf_counter() - start))
+            runs[name]["times"].append(synced(now() - start))
             runs[name]["last_loss"] = float(loss)
         ref_last = reference_step(reference, ref_optim, step)
     for run in runs.values():
@@ -220,12 +234,17 @@ def memory(peer: ModuleType, family: str, steps: int, smoke: bool = False) -> di
     """Every rank: one peer alone in this process group, ``steps`` steps: the peak RSS of each
     rank (MiB), and the same just before the model was built (imports, the process group)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    model = build(family, smoke=smoke)
+    model = build(family, smoke=smoke).to(device())
     peer.wrap(model, KEPT[family])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(steps):
         train_step(model, optim, step)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    both = [None] * dist.get_world_size()
-    dist.all_gather_object(both, (before, peak))
-    return {"before_mib": [b for b, _ in both], "peak_mib": [p for _, p in both]}
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    both: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(both, (before, peak, gpu))
+    return {
+        "before_mib": [b for b, _, _ in both],
+        "peak_mib": [p for _, p, _ in both],
+        "gpu_peak_mib": [g for _, _, g in both],
+    }
