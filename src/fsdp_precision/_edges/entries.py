@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Dtype",
     "WeightEntry",
+    "block_of",
     "bulk_dtype",
     "check_dtype",
     "out_dtype",
@@ -60,8 +61,8 @@ class WeightEntry:
         storage: The dtype it is stored in.
         compute: The dtype training computed it in (its storage dtype outside FSDP units).
         group: The unit it is gathered with: the FQN of the innermost FSDP module around it, or
-            without FSDP the first numbered block of its name (``model.layers.3``); tensors of one
-            group are consecutive.
+            without FSDP the first numbered block of its name (``model.layers.3``, ``0``);
+            tensors of one group are consecutive.
         kept: Why it computes in a dtype other than the bulk's; ``None`` for the bulk.
     """
 
@@ -219,15 +220,23 @@ def _unit_prefixes(model: nn.Module) -> list[str]:
     return sorted(prefixes, key=lambda p: -p.count(".") - bool(p))
 
 
-_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
+#: The shortest prefix of a name that ends in a numeric segment: ``model.layers.3`` of
+#: ``model.layers.3.mlp.weight``, ``0`` of an ``nn.Sequential``'s ``0.weight``.
+_NUMBERED = re.compile(r"^((?:[^.]*\.)*?\d+)(\.|$)")
+
+
+def block_of(name: str) -> str:
+    """The numbered block ``name`` lies in (``model.layers.3``, or ``0`` for a block at the root
+    of an ``nn.Sequential``); ``""`` when no segment of it is a number."""
+    match = _NUMBERED.match(name)
+    return match.group(1) if match else ""
 
 
 def _group(name: str, units: Sequence[str]) -> str:
     for prefix in units:
         if prefix == "" or name.startswith(prefix + "."):
             return prefix
-    match = _NUMBERED.match(name)
-    return match.group(1) if match else ""
+    return block_of(name)
 
 
 def _reason(entry: WeightEntry, info: ManagedParam | None, is_buffer: bool) -> str:

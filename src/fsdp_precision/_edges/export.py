@@ -93,7 +93,7 @@ def export_safetensors(
             f"export_safetensors source is a {type(source).__name__}; pass an nn.Module or the "
             "directory of a checkpoint written by save_checkpoint()"
         )
-    stream, chosen = checkpoint_stream(recover(Path(source).absolute()), dtype, layout)
+    stream, chosen = checkpoint_stream(recover(Path(source).absolute()), dtype, layout, size)
     return _write(stream, chosen, out, dtype, size, step, collective=False)
 
 

@@ -2,17 +2,21 @@
 
 Names, shapes and storage dtypes come from DCP's metadata; which tensors training kept in which
 dtype, the layout and the boundary casts from the marker ``save_checkpoint`` wrote (its
-``precision`` field). One numbered block at a time is read (DCP loads only the keys asked for).
+``precision`` field). One numbered block at a time is read (DCP loads only the keys asked for):
+``model.layers.3``, or ``3`` where the blocks sit at the root (an ``nn.Sequential``); the tensors
+of no block (embeddings, the head, final norms) a module at a time, as many modules together as
+fit in one output shard. What is resident is about one block or one output shard, whatever the
+names.
 A transformers checkpoint's names are converted to the Hub's with transformers' own reversal, on
 the model built from its ``config.json`` on the meta device (no weights, no remote code).
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,7 @@ from fsdp_precision._edges.checkpoint.metadata import (
     read_metadata,
     saved_tensors,
 )
-from fsdp_precision._edges.entries import Dtype, WeightEntry
+from fsdp_precision._edges.entries import Dtype, WeightEntry, block_of
 from fsdp_precision._edges.layouts import Layout, LayoutName, layout_for
 from fsdp_precision._edges.record import parse_casts
 from fsdp_precision._edges.stream import WeightStream, plan_stream
@@ -41,15 +45,17 @@ from fsdp_precision._trust.reader import check_files, trusted_load
 
 __all__ = ["checkpoint_stream"]
 
-_NUMBERED = re.compile(r"^(.*?\.\d+)(\.|$)")
-
 
 def _natural(name: str) -> list[Any]:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
-def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[WeightStream, Layout]:
-    """The stream of checkpoint ``path``'s model tensors (with its recorded casts), its layout."""
+def checkpoint_stream(
+    path: Path, dtype: Dtype, layout: LayoutName, group_bytes: int
+) -> tuple[WeightStream, Layout]:
+    """The stream of checkpoint ``path``'s model tensors (with its recorded casts), its layout;
+    each read brings one numbered block, or modules of no block up to ``group_bytes`` (one
+    output shard) together."""
     meta = read_metadata(path)
     check_files(path, dcp_metadata(path))  # nothing read before every file checks out
     error = verify_checksums(meta.get("checksums"), path, path, collective=False)
@@ -75,7 +81,6 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
             compute = dtype_from_name(found.get("dtype"))  # type: ignore[assignment]
         elif storage.is_floating_point:
             compute = bulk
-        match = _NUMBERED.match(name)
         entries.append(
             WeightEntry(
                 name=name,
@@ -83,10 +88,11 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
                 shape=shape,
                 storage=storage,
                 compute=compute,
-                group=match.group(1) if match else "",
+                group=block_of(name),
                 kept=str(found.get("reason")) if isinstance(found, dict) else None,
             )
         )
+    entries = _bounded(entries, group_bytes)
     chosen = _layout(path, precision.get("layout"), layout)
 
     def fetch(
@@ -106,6 +112,34 @@ def checkpoint_stream(path: Path, dtype: Dtype, layout: LayoutName) -> tuple[Wei
     stream = plan_stream(entries, bulk, dtype=dtype, cast_kept=False, layout=chosen, fetch=fetch)
     stream.casts = parse_casts(precision.get("casts", {}), str(path))
     return stream, chosen
+
+
+def _bounded(entries: list[WeightEntry], limit: int) -> list[WeightEntry]:
+    """``entries`` with those of no numbered block in groups of whole modules, at most ``limit``
+    bytes stored each (a module larger than that alone): they were read all at once."""
+    runs: list[list[WeightEntry]] = []  # a numbered entry, or one module's consecutive entries
+    for entry in entries:
+        owner = entry.name.rpartition(".")[0]
+        last = runs[-1][-1] if runs else None
+        same = last is not None and not last.group and last.name.rpartition(".")[0] == owner
+        if entry.group or not same:
+            runs.append([])
+        runs[-1].append(entry)
+    out: list[WeightEntry] = []
+    chunk = size = 0
+    previous_numbered = True
+    for run in runs:
+        if run[0].group:
+            out.extend(run)
+            previous_numbered = True
+            continue
+        nbytes = sum(int(torch.Size(e.shape).numel()) * e.storage.itemsize for e in run)
+        if previous_numbered or size + nbytes > limit:
+            chunk, size = chunk + 1, 0
+        previous_numbered = False
+        size += nbytes
+        out.extend(replace(e, group=f"<no block #{chunk}>") for e in run)
+    return out
 
 
 def _most_common(saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.dtype:
