@@ -33,7 +33,7 @@ from fsdp_precision._engines.kept import EngineKept
 from fsdp_precision._engines.readback import compare_held, probe_linear, raise_problems
 from fsdp_precision._policy.casts import ModuleCast, install_cast, installed_cast
 
-__all__ = ["Build", "Held", "building", "build"]
+__all__ = ["Build", "Held", "building", "build", "fused_of", "renamer_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,22 @@ _FIX = (
     "Serve this model with an architecture fsdp-precision's vLLM integration covers "
     "(docs/after-training.md, 'vLLM'), or export it without keeping that tensor"
 )
+
+
+def renamer_of(cls: type[nn.Module]) -> Callable[[str], str | None]:
+    """Checkpoint name -> engine name, by the vLLM model class's own ``hf_to_vllm_mapper``."""
+    mapper = getattr(cls, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return lambda name: name
+    return mapper.map_name  # type: ignore[no-any-return]
+
+
+def fused_of(cls: type[nn.Module]) -> Callable[[str], bool]:
+    """Whether the class's mapper loads a checkpoint name as a shard of a fused tensor (its
+    ``orig_to_new_stacked``: ``.q_proj`` into ``.qkv_proj``). Hand-written loaders fuse without
+    the mapper: their names map to no engine parameter, which the build refuses as well."""
+    stacked = tuple(getattr(getattr(cls, "hf_to_vllm_mapper", None), "orig_to_new_stacked", {}))
+    return lambda name: any(f"{key}." in name for key in stacked)
 
 
 @dataclass(frozen=True)

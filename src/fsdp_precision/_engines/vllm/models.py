@@ -22,7 +22,7 @@ from vllm.model_executor.models.registry import ModelRegistry
 from fsdp_precision._engines.kept import kept_of_export
 from fsdp_precision._engines.vllm.archs import ARCHITECTURES
 from fsdp_precision._engines.vllm.experts import repair_expert_updates
-from fsdp_precision._engines.vllm.hold import Held, build
+from fsdp_precision._engines.vllm.hold import Held, build, fused_of, renamer_of
 
 __all__ = ["ORIGINALS", "model_class"]
 
@@ -39,27 +39,11 @@ def _original(architecture: str) -> type[nn.Module]:
     return cls  # type: ignore[no-any-return]
 
 
-def _renamer(cls: type[nn.Module]) -> Any:
-    """Checkpoint name -> engine name, with the model class's own ``hf_to_vllm_mapper``."""
-    mapper = getattr(cls, "hf_to_vllm_mapper", None)
-    if mapper is None:
-        return lambda name: name
-    return mapper.map_name
-
-
-def _fused(cls: type[nn.Module]) -> Any:
-    """Whether the class's mapper loads a checkpoint name as a shard of a fused tensor (its
-    ``orig_to_new_stacked``: ``.q_proj`` into ``.qkv_proj``). Hand-written loaders fuse without
-    the mapper: their names map to no engine parameter, which the build refuses as well."""
-    stacked = tuple(getattr(getattr(cls, "hf_to_vllm_mapper", None), "orig_to_new_stacked", {}))
-    return lambda name: any(f"{key}." in name for key in stacked)
-
-
 @functools.cache
 def model_class(architecture: str) -> type[nn.Module]:
     """vLLM's model class for ``architecture``, subclassed to hold what training kept."""
     base = _original(architecture)
-    rename, fused = _renamer(base), _fused(base)
+    rename, fused = renamer_of(base), fused_of(base)
 
     class Kept(base):  # type: ignore[valid-type,misc]  # vLLM's classes are untyped here
         _fsdp_precision_model = True

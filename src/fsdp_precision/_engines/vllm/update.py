@@ -28,6 +28,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._engines.readback import raise_problems
 from fsdp_precision._engines.transfer import receive_weights, weight_group
 from fsdp_precision._engines.vllm.experts import repair_expert_updates
+from fsdp_precision._engines.vllm.hold import fused_of, renamer_of
 
 __all__ = ["WeightReceiver", "update_weights"]
 
@@ -46,12 +47,13 @@ def _refuse_rounding(model: nn.Module, kept: Mapping[str, torch.dtype]) -> None:
     if not kept or getattr(model, "_fsdp_precision_held", None) is not None:
         return
     params = dict(model.named_parameters(remove_duplicate=False))
-    problems = [
-        f"{name}: sent in {dtype_name(dtype)}, the engine holds "
-        + (dtype_name(params[name].dtype) if name in params else "it in the bulk dtype")
-        for name, dtype in sorted(kept.items())
-        if name not in params or params[name].dtype != dtype
-    ]
+    rename, fused = renamer_of(type(model)), fused_of(type(model))
+    problems = []
+    for name, dtype in sorted(kept.items()):
+        held = params.get(rename(name) or "") if not fused(name) else None
+        if held is None or held.dtype != dtype:
+            where = dtype_name(held.dtype) if held is not None else "it in the bulk dtype"
+            problems.append(f"{name}: sent in {dtype_name(dtype)}, the engine holds {where}")
     raise_problems(
         problems,
         "the engine would round what training kept: it was loaded from a directory without "
