@@ -219,14 +219,13 @@ OWN = "no: the model's own forward fails"
 def _own_forward(model_type: str) -> str:
     """Why the model's own forward fails on a tiny fp32 CPU build of its default config, with
     verify's inputs and no plan at all; ``""`` when it runs."""
-    from fsdp_precision._cli.models import load_tiny_model
-    from fsdp_precision._cli.verify import make_inputs
+    from fsdp_precision._cli.spec import resolve
 
-    spec = f"hf:{model_type}"
+    spec = resolve(f"hf:{model_type}")
     torch.manual_seed(0)
     try:
-        model = load_tiny_model(spec, device="cpu", dtype=torch.float32)
-        inputs = make_inputs(spec, model, torch.Generator().manual_seed(0))
+        model = spec.build_tiny("cpu", dtype=torch.float32)
+        inputs = spec.inputs(model, torch.Generator().manual_seed(0))
         model(**inputs)
     except Exception as exc:  # noqa: BLE001 - the reason, for the table
         return _first_line(exc)

@@ -15,13 +15,8 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 from fsdp_precision._cli import main  # noqa: E402
 from fsdp_precision._cli import models as models_module  # noqa: E402
-from fsdp_precision._cli.models import (  # noqa: E402
-    load_config,
-    load_model,
-    model_classes,
-    one_line,
-)
-from fsdp_precision._cli.verify import make_inputs  # noqa: E402
+from fsdp_precision._cli.models import load_config, model_classes, one_line  # noqa: E402
+from fsdp_precision._cli.spec import resolve  # noqa: E402
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -46,7 +41,7 @@ def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
 )
 def test_the_model_class_is_looked_up_by_model_type(model_type: str, expected: str) -> None:
     assert model_classes(load_config(f"hf:{model_type}"))[0].__name__ == expected
-    assert type(load_model(f"hf:{model_type}", tiny=True)).__name__ == expected
+    assert type(resolve(f"hf:{model_type}").build(tiny=True)).__name__ == expected
 
 
 def test_when_no_class_builds_the_first_class_error_is_raised(
@@ -67,7 +62,7 @@ def test_when_no_class_builds_the_first_class_error_is_raised(
 
     monkeypatch.setattr(models_module, "model_classes", lambda config: [First, Second])
     with pytest.raises(RuntimeError, match="^the causal LM's error$"):
-        load_model("hf:llama")
+        resolve("hf:llama").build()
 
 
 def test_one_line_keeps_what_a_validation_heading_introduces() -> None:
@@ -134,16 +129,16 @@ def test_mamba2_plans_with_its_log_space_advice(capsys: pytest.CaptureFixture[st
 
 
 def test_inputs_for_a_model_that_needs_pixel_values() -> None:
-    model = load_model("hf:blip", device="cpu", tiny=True, dtype=torch.float32)
-    inputs = make_inputs("hf:blip", model, torch.Generator().manual_seed(0))
+    model = resolve("hf:blip").build(device="cpu", tiny=True, dtype=torch.float32)
+    inputs = resolve("hf:blip").inputs(model, torch.Generator().manual_seed(0))
     vision = model.config.vision_config
     assert inputs["pixel_values"].shape == (2, 3, vision.image_size, vision.image_size)
     model(**inputs)  # it ran without them: "missing 1 required positional argument"
 
 
 def test_inputs_avoid_special_tokens_and_shift_decoder_labels() -> None:
-    model = load_model("hf:fsmt", device="cpu", tiny=True, dtype=torch.float32)
-    inputs = make_inputs("hf:fsmt", model, torch.Generator().manual_seed(0))
+    model = resolve("hf:fsmt").build(device="cpu", tiny=True, dtype=torch.float32)
+    inputs = resolve("hf:fsmt").inputs(model, torch.Generator().manual_seed(0))
     labels, decoder = inputs["labels"], inputs["decoder_input_ids"]
     assert decoder.shape == labels.shape
     assert torch.equal(decoder[:, 1:], labels[:, :-1])
@@ -154,12 +149,12 @@ def test_inputs_avoid_special_tokens_and_shift_decoder_labels() -> None:
 
 
 def test_inputs_a_model_code_requires() -> None:
-    model = load_model("hf:xmod", device="cpu", tiny=True, dtype=torch.float32)
-    inputs = make_inputs("hf:xmod", model, torch.Generator().manual_seed(0))
+    model = resolve("hf:xmod").build(device="cpu", tiny=True, dtype=torch.float32)
+    inputs = resolve("hf:xmod").inputs(model, torch.Generator().manual_seed(0))
     assert inputs["lang_ids"].tolist() == [0, 0]
     model(**inputs)  # "Input language unknown" without them
-    model = load_model("hf:udop", device="meta", tiny=True)
-    box = make_inputs("hf:udop", model, torch.Generator().manual_seed(0))["bbox"]
+    model = resolve("hf:udop").build(device="meta", tiny=True)
+    box = resolve("hf:udop").inputs(model, torch.Generator().manual_seed(0))["bbox"]
     assert box.dtype == torch.float32 and box.shape == (2, 8, 4)  # normalised, as UDOP reads them
     assert 0 <= box.min() and box.max() <= 1
     assert (box[..., 0] <= box[..., 2]).all() and (box[..., 1] <= box[..., 3]).all()
@@ -179,8 +174,8 @@ BEYOND_TOKENS = {
 def test_inputs_beyond_token_ids_run_the_forward(model_type: str) -> None:
     spec = f"hf:{model_type}"
     torch.manual_seed(0)
-    model = load_model(spec, device="cpu", tiny=True, dtype=torch.float32)
-    inputs = make_inputs(spec, model, torch.Generator().manual_seed(0))
+    model = resolve(spec).build(device="cpu", tiny=True, dtype=torch.float32)
+    inputs = resolve(spec).inputs(model, torch.Generator().manual_seed(0))
     name, without = BEYOND_TOKENS[model_type]
     assert name in inputs
     model(**inputs)

@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-from fsdp_precision._cli.models import load_config, load_model  # noqa: E402
+from fsdp_precision._cli.models import load_config  # noqa: E402
+from fsdp_precision._cli.spec import resolve  # noqa: E402
 from fsdp_precision.testing import tiny_config  # noqa: E402
 from fsdp_precision.testing._tiny_constraints import _split  # noqa: E402
 
@@ -95,7 +96,7 @@ def test_the_tiny_config_keeps_the_architecture_valid(model_type: str) -> None:
     full = load_config(f"hf:{model_type}")
     tiny = tiny_config(full)  # the architecture's validators run in from_dict
     assert CASES[model_type](tiny)
-    model = load_model(f"hf:{model_type}", device="meta", tiny=True)
+    model = resolve(f"hf:{model_type}").build("meta", tiny=True)
     assert sum(p.numel() for p in model.parameters()) < 5_000_000
 
 
@@ -125,7 +126,7 @@ def test_a_tiny_mamba2_traces_its_log_space_parameters() -> None:
     from fsdp_precision import advise
 
     torch.manual_seed(0)
-    model = load_model("hf:mamba2", device="cpu", tiny=True, dtype=torch.float32)
+    model = resolve("hf:mamba2").build("cpu", tiny=True, dtype=torch.float32)
     advice = advise(model)
     assert "stopped early" not in advice.traced
     assert {a.pattern: a.kind for a in advice.advice}["*.mixer.A_log"] == "log_space"

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 from fsdp_precision import advise  # noqa: E402
 from fsdp_precision._advise import usage  # noqa: E402
-from fsdp_precision._cli.models import load_model  # noqa: E402
+from fsdp_precision._cli.spec import resolve  # noqa: E402
 from fsdp_precision._hf.tracing import traceable_meta  # noqa: E402
 
 #: A padding-mask shortcut (BART), a packed-sequence check (PaliGemma), both on the meta device.
@@ -22,7 +22,7 @@ TYPES = ["bart", "paligemma"]
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_the_meta_trace_reaches_the_end(model_type: str) -> None:
-    advice = advise(load_model(f"hf:{model_type}"))
+    advice = advise(resolve(f"hf:{model_type}").build())
     assert advice.covered and "stopped early" not in advice.traced, advice.traced
 
 
@@ -31,7 +31,7 @@ def test_without_it_the_trace_stops_at_a_value(
     model_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(usage, "traceable_meta", contextlib.nullcontext)
-    advice = advise(load_model(f"hf:{model_type}"))
+    advice = advise(resolve(f"hf:{model_type}").build())
     assert "Tensor.item() cannot be called on meta tensors" in advice.traced
 
 

@@ -1,6 +1,6 @@
-"""What ``advise --measure`` and ``plan --measure`` run on: the model with its weights, in
-float32, and the calibration batches (``--data``: a text file, a token-id tensor file, or random
-inputs like ``verify``'s).
+"""What ``advise --measure`` and ``plan --measure`` measure on: the calibration batches
+(``--data``: a text file, a token-id tensor file, or random inputs like ``verify``'s). The model
+with its weights, in float32, is :meth:`~fsdp_precision._cli.spec.ModelSpec.with_weights`.
 
 Nothing a file holds runs: weights load from safetensors only, a tensor file through
 ``torch.load(weights_only=True)`` or safetensors, a tokenizer from the directory's own files
@@ -16,52 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_precision._cli.diffusers_models import diffusers_config, model_class
-from fsdp_precision._cli.models import is_hf_spec, load_config, load_model, model_classes
+from fsdp_precision._cli.spec import ModelSpec
 
-__all__ = ["Calibration", "calibration_batches", "load_weights"]
-
-
-def load_weights(spec: str) -> nn.Module:
-    """MODEL with its weights, in float32: a saved transformers or Diffusers directory (its
-    ``*.safetensors``), or what a ``module:callable`` factory returns, built on the CPU."""
-    if not is_hf_spec(spec):
-        return load_model(spec, device="cpu")
-    path = Path(spec)
-    if not path.is_dir():
-        raise ValueError(
-            f"MODEL {spec!r} has no weights to measure: pass a directory written by "
-            "save_pretrained (with *.safetensors), or drop --measure"
-        )
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(
-            f"MODEL {spec!r}: no *.safetensors weights in the directory; --measure reads "
-            "safetensors only (save_pretrained(..., safe_serialization=True)), never pickles"
-        )
-    diffusers = diffusers_config(spec)
-    if diffusers is not None:
-        cls: Any = model_class(diffusers)
-        loaded: nn.Module = cls.from_pretrained(
-            spec, torch_dtype=torch.float32, use_safetensors=True
-        )
-        return loaded
-    import transformers  # lazy: an optional dependency
-
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    config = load_config(spec)
-    classes = model_classes(config)
-    if not classes:
-        raise ValueError(f"MODEL {spec!r}: transformers has no model class for its config")
-    dtype_arg = "dtype" if _major_minor(transformers.__version__) >= (4, 56) else "torch_dtype"
-    kwargs = {dtype_arg: torch.float32, "use_safetensors": True, "trust_remote_code": False}
-    built: Any = classes[0]
-    model: nn.Module = built.from_pretrained(spec, **kwargs)
-    return model
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    parts = version.split(".")
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+__all__ = ["Calibration", "calibration_batches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,24 +37,21 @@ class Calibration:
 
 
 def calibration_batches(
-    spec: str, model: nn.Module, data: str | None, sizes: Calibration
+    spec: ModelSpec, model: nn.Module, data: str | None, sizes: Calibration
 ) -> tuple[list[dict[str, Any]], str]:
     """The batches and what they are: ``data`` tokenized (a ``.txt`` with the directory's
     tokenizer) or read (``.safetensors``/``.pt`` token ids, ``[rows, tokens]``), else random
     inputs as ``verify`` makes them."""
     if data is None:
-        from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
-
         made = [
-            make_inputs(spec, model, torch.Generator().manual_seed(seed))
-            for seed in range(sizes.batches)
+            spec.inputs(model, torch.Generator().manual_seed(seed)) for seed in range(sizes.batches)
         ]
         return made, f"{sizes.batches} batches of random inputs (pass --data for your own)"
     path = Path(data)
     if not path.is_file():
         raise ValueError(f"--data {data!r} is not a file; pass a .txt, .safetensors or .pt")
     if path.suffix == ".txt":
-        ids = _tokenized(spec, path)
+        ids = _tokenized(spec.text, path)
     elif path.suffix in (".safetensors", ".pt"):
         ids = _token_ids(path)
     else:

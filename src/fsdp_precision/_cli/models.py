@@ -1,17 +1,11 @@
-"""MODEL arguments of the CLI: ``hf:<model_type>``, a Hugging Face directory (transformers or
-Diffusers), ``module:callable``.
-
-:func:`load_model` builds the model (on meta for ``plan``, on the CPU for ``verify``), shrunk by
-:func:`fsdp_precision.testing.tiny_config` when asked (Diffusers models:
-:mod:`fsdp_precision._cli.diffusers_models`).
+"""Transformers' side of a ``MODEL`` (:mod:`fsdp_precision._cli.spec` resolves it): the config
+of ``hf:<model_type>`` or of a directory's config.json, the classes that build from it, and the
+model built from the config (no weights) or loaded with its weights.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +13,20 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._base.quiet import quiet_imports
-from fsdp_precision._cli.diffusers_models import DiffusersConfig, build, diffusers_config
 from fsdp_precision.testing._tiny_config import tiny_config
 
 __all__ = [
     "TINY_MAX_PARAMS",
-    "is_hf_spec",
+    "from_pretrained",
     "load_config",
-    "load_model",
-    "load_tiny_model",
+    "model_classes",
     "one_line",
+    "tiny_config",
 ]
 
-
-def is_hf_spec(spec: str) -> bool:
-    """Whether ``spec`` names a Hugging Face architecture (``hf:...``, or a transformers or
-    Diffusers config directory)."""
-    return spec.startswith("hf:") or Path(spec).is_dir()
+#: A tiny build with more parameters than this is refused before it is built on a real device:
+#: its config has sizes ``tiny_config`` does not know by name.
+TINY_MAX_PARAMS = 100_000_000
 
 
 def _require_transformers(spec: str) -> None:
@@ -49,12 +40,7 @@ def _require_transformers(spec: str) -> None:
 
 
 def load_config(spec: str) -> Any:
-    """The transformers config of ``hf:<model_type>`` or of a local directory's config.json; a
-    :class:`DiffusersConfig` for a Diffusers model directory (``_class_name`` in config.json)."""
-    if not spec.startswith("hf:"):
-        diffusers = diffusers_config(spec)
-        if diffusers is not None:
-            return diffusers
+    """The transformers config of ``hf:<model_type>`` or of a local directory's config.json."""
     _require_transformers(spec)
     from transformers import AutoConfig  # lazy: an optional dependency
 
@@ -92,84 +78,6 @@ def _root(exc: BaseException) -> BaseException:
         exc = exc.__cause__
         seen.add(id(exc))
     return exc
-
-
-def load_model(
-    spec: str,
-    *,
-    device: str | torch.device = "meta",
-    tiny: bool = False,
-    dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Build MODEL: ``hf:<model_type>`` | a local Hugging Face directory | ``module:callable``.
-
-    Args:
-        spec: ``hf:deepseek_v3``, ``path/to/dir`` (with config.json, transformers' or
-            Diffusers'; no weights are read) or ``package.module:factory`` (any callable
-            returning an ``nn.Module``; the module is looked up from the current directory
-            first, as ``python -m`` does).
-        device: Where to build it (the factory is called under ``torch.device(device)``).
-            (Default: ``"meta"``: no memory, no initialisation)
-        tiny: Shrink a transformers config with :func:`tiny_config` first (a Diffusers one
-            with ``tiny_diffusers_config``); ignored for ``module:callable``. (Default: ``False``)
-        dtype: Floating dtype for a transformers model (``from_config(dtype=...)``) or a
-            Diffusers one (cast after building); ``None``
-            keeps the config's. Ignored for ``module:callable``. (Default: ``None``)
-
-    Raises ``ValueError`` with a one-line message for anything the user got wrong.
-    """
-    if is_hf_spec(spec):
-        config = load_config(spec)
-        if isinstance(config, DiffusersConfig):
-            return build(config, torch.device(device), tiny=tiny, dtype=dtype)
-        if tiny:
-            config = tiny_config(config)
-        return _from_config(config, torch.device(device), dtype)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"MODEL {spec!r} is not hf:<model_type>, a directory with config.json, or "
-            "module:callable"
-        )
-    if not {"", os.getcwd()} & set(sys.path):  # the current directory's modules, as python -m
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"MODEL {spec!r}: cannot import {attr} from {module_name} ({exc})"
-        ) from exc
-    if not callable(factory):
-        raise ValueError(
-            f"MODEL {spec!r}: {module_name}.{attr} is a {type(factory).__name__}, not a callable; "
-            "pass module:factory, a function or class that returns an nn.Module"
-        )
-    with torch.device(device):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"MODEL {spec!r} returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-#: A tiny build with more parameters than this is refused before it is built on a real device:
-#: its config has sizes ``tiny_config`` does not know by name.
-TINY_MAX_PARAMS = 100_000_000
-
-
-def load_tiny_model(
-    spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-) -> nn.Module:
-    """:func:`load_model` with ``tiny=True``, counted on the meta device first: ``ValueError``
-    when it is not tiny (over :data:`TINY_MAX_PARAMS` parameters) rather than filling memory."""
-    meta = load_model(spec, device="meta", tiny=True, dtype=dtype)
-    count = sum(p.numel() for p in meta.parameters())
-    del meta
-    if count > TINY_MAX_PARAMS:
-        raise ValueError(
-            f"MODEL {spec!r}: its tiny config still has {count:,} parameters (over "
-            f"{TINY_MAX_PARAMS:,}): sizes fsdp_precision.testing.tiny_config does not shrink"
-        )
-    return load_model(spec, device=device, tiny=True, dtype=dtype)
 
 
 def one_line(exc: BaseException) -> str:
@@ -259,3 +167,24 @@ def _from_config(config: Any, device: torch.device, dtype: torch.dtype | None) -
             first = first or error
     assert first is not None
     raise first
+
+
+def from_pretrained(spec: str, config: Any) -> nn.Module:
+    """The transformers model of the directory ``spec`` with its weights, in float32: the first
+    class of :func:`model_classes`, from its safetensors (never remote code)."""
+    import transformers  # lazy: an optional dependency
+
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    classes = model_classes(config)
+    if not classes:
+        raise ValueError(f"MODEL {spec!r}: transformers has no model class for its config")
+    dtype_arg = "dtype" if _major_minor(transformers.__version__) >= (4, 56) else "torch_dtype"
+    kwargs = {dtype_arg: torch.float32, "use_safetensors": True, "trust_remote_code": False}
+    built: Any = classes[0]
+    model: nn.Module = built.from_pretrained(spec, **kwargs)
+    return model
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._advise.advice import PrecisionAdvice
-from fsdp_precision._cli.advise import inputs_for, measured_advice, own_or, traced_advice
+from fsdp_precision._cli.advise import measured_advice, traced_advice
 from fsdp_precision._cli.calibration import Calibration
-from fsdp_precision._cli.models import is_hf_spec, load_model, load_tiny_model, one_line
+from fsdp_precision._cli.models import one_line
 from fsdp_precision._cli.options import (
     BOUNDARY_NAMES,
     DTYPES,
@@ -20,6 +20,7 @@ from fsdp_precision._cli.options import (
     precision_rules,
     units_of,
 )
+from fsdp_precision._cli.spec import ModelSpec, own_or, resolve
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.memory import memory_per_rank
 from fsdp_precision._plan.meshes import Meshes
@@ -109,7 +110,9 @@ def _plan(
     )
 
 
-def _advice(opts: PlanOptions, model: nn.Module, inputs: Any) -> PrecisionAdvice | None:
+def _advice(
+    opts: PlanOptions, spec: ModelSpec, model: nn.Module, inputs: Any
+) -> PrecisionAdvice | None:
     """The advisor's findings: measured on the model's weights (``--measure``, or
     ``--advice measured``), else traced (:func:`~fsdp_precision._cli.advise.traced_advice`)."""
     if opts.advice == "off":
@@ -121,32 +124,26 @@ def _advice(opts: PlanOptions, model: nn.Module, inputs: Any) -> PrecisionAdvice
         dtype = DTYPES[opts.precision]
         if dtype == torch.float32:
             raise ValueError("--measure compares the compute dtype with fp32: use --precision bf16")
-        return measured_advice(opts.model, opts.data, calibration, dtype)
-    return traced_advice(opts.model, model, own_or(model, inputs))
+        return measured_advice(spec, opts.data, calibration, dtype)
+    return traced_advice(spec, model, own_or(model, inputs))
 
 
-def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
+def _trace(opts: PlanOptions, spec: ModelSpec) -> tuple[DtypeTrace | None, str]:
     """The first forward in the planned compute dtypes, on verify's inputs: on a tiny CPU build
     of a transformers or Diffusers config (the same module classes; MoE forwards cannot run on
     meta), on the meta build of a ``module:callable`` model (nothing shrinks it; the meta
     kernels check dtypes), or not at all (no inputs: the reason is said)."""
     if not opts.trace:
         return None, "not traced (--no-trace)"
-    from fsdp_precision._cli.verify import make_inputs  # lazy: verify's inputs, one place
-
-    hf = is_hf_spec(opts.model)
+    hf = spec.is_hf
     copy = "a tiny CPU build of the same config" if hf else "the model's meta build"
     torch.manual_seed(0)
     try:  # the plan above stands where the traced copy cannot be built: untraced, and why
-        tiny = (
-            load_tiny_model(opts.model, device="cpu", dtype=torch.float32)
-            if hf
-            else load_model(opts.model)
-        )
+        tiny = spec.build_tiny("cpu", dtype=torch.float32) if hf else spec.build()
     except Exception as exc:  # noqa: BLE001
         return None, f"not traced: {copy} cannot be built ({one_line(exc)})"
     try:
-        inputs = make_inputs(opts.model, tiny, torch.Generator().manual_seed(0))
+        inputs = spec.inputs(tiny, torch.Generator().manual_seed(0))
     except ValueError as exc:  # no inputs for this model
         return None, f"not traced: {exc}"
     try:
@@ -160,15 +157,16 @@ def _trace(opts: PlanOptions) -> tuple[DtypeTrace | None, str]:
 
 
 def run_plan(opts: PlanOptions) -> int:
-    model = load_model(opts.model)
-    inputs = inputs_for(opts.model, model)
-    plan = _plan(model, opts, opts.world_size, inputs, _advice(opts, model, inputs))
+    spec = resolve(opts.model)
+    model = spec.build()
+    inputs = spec.inputs_or_none(model)
+    plan = _plan(model, opts, opts.world_size, inputs, _advice(opts, spec, model, inputs))
     meshes = Meshes(tp=opts.tp, ep=opts.ep, pp=opts.pp)
     meshes_or_none = None if meshes.trivial else meshes
     if meshes_or_none is not None:
         plan.mesh_totals(meshes)  # refused before anything prints: ValueError names the fix
     memory = memory_per_rank(plan)
-    trace, how = _trace(opts)
+    trace, how = _trace(opts, spec)
     if opts.as_json:
         data: dict[str, Any] = plan.to_dict(meshes=meshes_or_none)
         data["memory_per_rank_bytes"] = memory

@@ -8,8 +8,6 @@ errors before any process starts; then N gloo processes build the model, wrap it
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,18 +18,15 @@ import torch.nn as nn
 from fsdp_precision._advise.advice import PrecisionAdvice
 from fsdp_precision._base.dist import is_rank0
 from fsdp_precision._base.launch import launch, process_group
-from fsdp_precision._cli.diffusers_models import inputs_source as diffusers_inputs
-from fsdp_precision._cli.hf_inputs import NEEDS, transformers_inputs
-from fsdp_precision._cli.models import is_hf_spec, load_model
 from fsdp_precision._cli.options import BOUNDARY_NAMES, UNITS, precision_rules, units_of
-from fsdp_precision._hf.declarations import library_of
+from fsdp_precision._cli.spec import ModelSpec, resolve
 from fsdp_precision._patch import apply_param_dtype_map_patch
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._verify.parity import verify_parity
 from fsdp_precision._verify.report import ParityReport
 
-__all__ = ["VerifyOptions", "format_report", "make_inputs", "run_verify"]
+__all__ = ["VerifyOptions", "format_report", "run_verify"]
 
 _MAX_PROBLEMS = 12  # listed under the table; --json has them all
 
@@ -67,20 +62,19 @@ class VerifyOptions:
 
     @property
     def tiny(self) -> bool:
-        return is_hf_spec(self.model) and not self.full_size
+        return resolve(self.model).is_hf and not self.full_size
 
 
 # --------------------------------------------------------------------------- model, plan, inputs
 
 
-def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
+def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan, ModelSpec]:
+    """The model, its plan at ``opts.nproc`` ranks, and ``MODEL`` resolved."""
     torch.manual_seed(opts.seed)
-    hf = is_hf_spec(opts.model)
+    spec = resolve(opts.model)
     # fp32 master weights for Hugging Face models (from_config would take the config's dtype);
     # a module:callable model is used as it is built.
-    model = load_model(
-        opts.model, device=device, tiny=opts.tiny, dtype=torch.float32 if hf else None
-    )
+    model = spec.build(device, tiny=opts.tiny, dtype=torch.float32 if spec.is_hf else None)
     rules = precision_rules(
         opts.precision,
         opts.rules,
@@ -91,7 +85,7 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     layout = opts.units or ("transformer_block" if opts.min_params is None else "size")
     # The check's own inputs feed the traced forwards: the one that keeps units torch cannot
     # run out (size-based units) and, on the ranks' real tensors, the precision advisor's.
-    inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+    inputs = spec.inputs(model, torch.Generator().manual_seed(opts.seed))
     min_params = 10_000_000 if opts.min_params is None else opts.min_params
     units = units_of(
         model, layout, min_params=min_params, example_inputs=inputs if layout == "size" else None
@@ -100,53 +94,7 @@ def _build(opts: VerifyOptions, device: str) -> tuple[nn.Module, PrecisionPlan]:
     plan = compile_param_dtype_maps(
         model, rules, units, world_size=opts.nproc, example_inputs=advised
     )
-    return model, plan
-
-
-def _inputs_source(spec: str, model: nn.Module) -> Any:
-    """The callable that makes inputs: ``model.example_inputs(generator)``, a module-level
-    ``example_inputs(model, generator)`` next to a ``module:callable`` factory, the builder of a
-    Diffusers model's class family, or ``None`` for a transformers model that takes
-    ``input_ids``. Raises ``ValueError`` when there is none."""
-    method = getattr(model, "example_inputs", None)
-    if callable(method):
-        return method
-    if not is_hf_spec(spec):
-        module_name = spec.partition(":")[0]
-        function = getattr(importlib.import_module(module_name), "example_inputs", None)
-        if callable(function):
-            return lambda g: function(model, g)
-    if library_of(model) == "diffusers":
-        return diffusers_inputs(spec, model)
-    if library_of(model) == "transformers":
-        takes_ids = "input_ids" in inspect.signature(model.forward).parameters
-        if takes_ids or getattr(model.config, "model_type", None) in NEEDS:
-            return None  # token ids, or the pixel inputs NEEDS names for its model type
-        raise ValueError(
-            f"MODEL {spec!r}: {type(model).__name__}.forward takes no input_ids, so verify "
-            "cannot make its inputs; wrap it in a module:callable factory whose model has "
-            "example_inputs(generator) -> dict"
-        )
-    raise ValueError(
-        f"MODEL {spec!r}: verify cannot make inputs for {type(model).__name__}; give the model "
-        "a method example_inputs(self, generator) -> dict of forward keyword arguments, or "
-        "define example_inputs(model, generator) next to the factory (draw only from the "
-        "generator: every rank must get the same inputs)"
-    )
-
-
-def make_inputs(spec: str, model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
-    """Forward keyword arguments for ``model`` (identical on every rank for one seed)."""
-    source = _inputs_source(spec, model)
-    if source is not None:
-        inputs = source(generator)
-        if not isinstance(inputs, dict):
-            raise ValueError(
-                f"MODEL {spec!r}: example_inputs returned {type(inputs).__name__}, not a dict of "
-                "forward keyword arguments"
-            )
-        return inputs
-    return transformers_inputs(spec, model, generator)
+    return model, plan, spec
 
 
 # --------------------------------------------------------------------------- running
@@ -154,8 +102,7 @@ def make_inputs(spec: str, model: nn.Module, generator: torch.Generator) -> dict
 
 def run_verify(opts: VerifyOptions) -> int:
     """Validate on meta, run the check on ``opts.nproc`` processes, print; 0 ok, 1 mismatch."""
-    model, plan = _build(opts, "meta")  # one-line errors before any process starts
-    _inputs_source(opts.model, model)
+    model, plan, _ = _build(opts, "meta")  # one-line errors before any process starts
     n_params = sum(p.numel() for p in model.parameters())
     del model, plan
     # The ranks are forked where that is safe: they inherit torch and transformers already
@@ -181,9 +128,9 @@ def _rank(opts: VerifyOptions) -> tuple[ParityReport, PrecisionAdvice | None]:
     torch.set_num_threads(1)
     with process_group("gloo"):
         apply_param_dtype_map_patch()
-        model, plan = _build(opts, "cpu")
+        model, plan, spec = _build(opts, "cpu")
         advice = plan.advice  # traced at compile time, before the model is wrapped
-        inputs = make_inputs(opts.model, model, torch.Generator().manual_seed(opts.seed))
+        inputs = spec.inputs(model, torch.Generator().manual_seed(opts.seed))
         return verify_parity(plan, inputs, seed=opts.seed), advice
 
 
