@@ -399,3 +399,27 @@ def test_the_rl_example_hands_off_to_vllm_and_resumes(tmp_path: Path) -> None:
     second = launch(1)
     assert "resumed from step 2" in second and "step 3: " in second
     assert "top-2 as the policy's in 2/2 layers" in second
+
+
+def test_a_refused_update_from_another_process_does_not_leave_the_sender_waiting(
+    qwen: Path, unrecorded: Path
+) -> None:
+    """An engine loaded without the record refuses an update that keeps tensors by name; it
+    receives the update to its end first, so the trainer's broadcasts finish (no hang)."""
+    import multiprocessing
+
+    from fsdp_precision._base.dist import free_port
+
+    llm = engine(unrecorded, worker_extension_cls=f"{WeightReceiver.__module__}.WeightReceiver")
+    before = prompt_logprobs(llm)
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=send_update, args=(port, str(qwen), 13)
+    )
+    trainer.start()
+    llm.collective_rpc("fsdp_precision_join", args=("127.0.0.1", port, 1, 2))
+    with pytest.raises(EngineDtypeError, match=r"model.layers.0.mlp.gate.weight: sent in float32"):
+        llm.collective_rpc("fsdp_precision_receive")
+    trainer.join(120)
+    assert trainer.exitcode == 0  # the sender finished every broadcast
+    assert torch.equal(prompt_logprobs(llm), before)  # and nothing was loaded

@@ -130,18 +130,21 @@ class WeightReceiver:
 
     def fsdp_precision_receive(self, src: int = 0) -> int:
         """Receive one update from rank ``src`` of the weight group into the model, in place;
-        the number of tensors loaded. Where the engine would round a kept tensor the update is
-        received to its end (the sender is not left waiting) and then refused by name."""
+        the number of tensors loaded. Whatever goes wrong (a kept tensor the engine would round,
+        refused before anything loads; an error while loading) the update is received to its end
+        before the error is raised here: the sender finishes its broadcasts, never left
+        waiting."""
         group = getattr(self, "_fsdp_precision_group", None)
         if group is None:
             raise RuntimeError("call fsdp_precision_join before fsdp_precision_receive")
         model = _model_of(self)
         device = next(model.parameters()).device
         weights = receive_weights(group, src=src, device=device)
+        remaining = iter(weights)
         try:
             _refuse_rounding(model, weights.kept)
-        except Exception:
-            for _ in weights:  # take part in every broadcast, keep nothing
+            return _update_in_worker(self, remaining, {})
+        except BaseException:
+            for _ in remaining:  # take part in every broadcast left, keep nothing
                 pass
             raise
-        return _update_in_worker(self, weights, {})
