@@ -131,12 +131,24 @@ def summarize(runs: dict[str, Any], baseline: str = "torch_uniform") -> dict[str
             "last_loss_error": run.get("last_loss_error", float("nan")),
             "grad_error": run["grad_error"],
             "kept_grad_error": run["kept_grad_error"],
+            "digest": run["digest"],
             "bitwise_with": sorted(n for n in digests[run["digest"]] if n != name),
             "step_ratio": statistics.median(ratios) if ratios else float("nan"),
             "step_seconds": statistics.median(run["times"]) if run["times"] else float("nan"),
             "peak_rss_mib": max(memory.get("peak_mib", [float("nan")])),
         }
     return out
+
+
+def bitwise_across(peers: dict[str, Any]) -> None:
+    """``bitwise_with`` over every row, those measured in other venvs included: the same digest
+    of the step-0 loss and gradients is the same bits, whichever process computed it."""
+    names: dict[str, list[str]] = {}
+    for name, s in peers.items():
+        names.setdefault(s.get("digest", name), []).append(name)
+    for name, s in peers.items():
+        if "digest" in s:
+            s["bitwise_with"] = sorted(n for n in names[s["digest"]] if n != name)
 
 
 HEADER = (
@@ -228,6 +240,7 @@ def main() -> None:
                 continue
             versions[name] = there["versions"]
             peers[name] = summarize(there["runs"])[name]
+        bitwise_across(peers)
         what = "Qwen3-MoE, routers kept" if family == "moe" else "Llama, norms kept"
         result["families"][family] = {"what": what, "peers": peers, "versions": versions}
     text = json.dumps(result, indent=1)

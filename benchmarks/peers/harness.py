@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
@@ -58,6 +59,46 @@ def build(family: str, seed: int = 0, smoke: bool = False) -> nn.Module:
 def kept_names(model: nn.Module, kept: Sequence[str]) -> list[str]:
     """The parameter names the globs ``kept`` claim."""
     return [n for n, _ in model.named_parameters() if any(fnmatch.fnmatchcase(n, k) for k in kept)]
+
+
+def _cast(target: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+        return x.to(target) if floating and x.dtype != target else x
+
+    return cast
+
+
+class _BoundaryCast:
+    """A module's inputs cast to ``dtype``; its outputs cast back to the dtype its first
+    floating input came in where ``back``."""
+
+    def __init__(self, dtype: torch.dtype, back: bool) -> None:
+        self.dtype, self.back = dtype, back
+        self.incoming: list[torch.dtype] = []
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        leaves, _ = tree_flatten((args, kwargs))
+        floating = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        self.incoming.append(floating[0].dtype if floating else self.dtype)
+        return tree_map(_cast(self.dtype), args), tree_map(_cast(self.dtype), kwargs)
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        incoming = self.incoming.pop()
+        return tree_map(_cast(incoming), output) if self.back else output
+
+
+def cast_at_boundary(modules: Sequence[nn.Module], dtype: torch.dtype = FP32) -> None:
+    """The hooks a user adds to a peer that keeps weights in ``dtype`` but not the activations
+    (NeMo Automodel's fp32 child units, torch 2.15's override): each module's floating inputs
+    cast to ``dtype``; the outputs of a module holding only gains (norms: 1-D weights, their
+    output the next matmul's input) cast back to the dtype they came in. A router's logits stay
+    in ``dtype``, as with the library's boundary casts."""
+    for module in modules:
+        gains = all(p.dim() <= 1 for p in module.parameters())
+        hooks = _BoundaryCast(dtype, back=gains)
+        module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+        module.register_forward_hook(hooks.post, with_kwargs=True)
 
 
 def device() -> torch.device:
