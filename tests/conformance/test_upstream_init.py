@@ -15,7 +15,9 @@ alone computes.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -65,33 +67,6 @@ def case_lazy_init_sets_the_root_and_the_fqns() -> dict[str, str]:
             "0.out_proj": {"0.out_proj.weight", "0.out_proj.bias"},
         }, (kind, fqns)
         out[kind] = repr(sorted((k, sorted(v)) for k, v in fqns.items()))
-    return out
-
-
-def case_lazy_init_from_a_non_root_first_is_torch_s_error() -> dict[str, str]:
-    out = {}
-    for kind in kinds():
-        model = two_mlps()
-        shard_inner_then_root(model, kind)
-        fully_shard.state(model[0].in_proj)._lazy_init()
-        with pytest.raises(
-            RuntimeError, match="already been lazily initialized for 0.in_proj"
-        ) as caught:
-            fully_shard.state(model)._lazy_init()
-        out[kind] = str(caught.value)  # torch's own message, word for word
-    return out
-
-
-def case_a_grouped_call_as_root_is_torch_s_error() -> dict[str, str]:
-    out = {}
-    for kind in kinds():
-        model = two_mlps()
-        fully_shard([model[0], model[1]], mp_policy=policy(kind, model[0], model))
-        with pytest.raises(
-            RuntimeError, match="FSDP requires a single root module but got"
-        ) as caught:
-            fully_shard.state(model[0])._lazy_init()
-        out[kind] = str(caught.value)  # torch's own message, word for word
     return out
 
 
@@ -187,49 +162,80 @@ def case_shard_placement_fn_shards_other_dims() -> dict[str, str]:
     return out
 
 
-def case_an_invalid_shard_dim_is_torch_s_error() -> dict[str, str]:
+# ---------------------------------------------------------------- torch's own errors, word for word
+# Each: how to get there with a policy of a kind (returns the call that raises), torch's error and
+# its message; under the patch every kind must raise exactly torch's.
+
+
+def _lazy_init_from_a_non_root(kind: str) -> Callable[[], object]:
+    model = two_mlps()
+    shard_inner_then_root(model, kind)
+    fully_shard.state(model[0].in_proj)._lazy_init()
+    return fully_shard.state(model)._lazy_init
+
+
+def _grouped_root(kind: str) -> Callable[[], object]:
+    model = two_mlps()
+    fully_shard([model[0], model[1]], mp_policy=policy(kind, model[0], model))
+    return fully_shard.state(model[0])._lazy_init
+
+
+def _shard_dim_1(kind: str) -> Callable[[], object]:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    return lambda: fully_shard(
+        model, mp_policy=policy(kind, model), shard_placement_fn=lambda p: Shard(1)
+    )
+
+
+def _uneven_dim_1(kind: str) -> Callable[[], object]:
+    model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
+    return lambda: fully_shard(model, mp_policy=policy(kind, model), shard_placement_fn=largest_dim)
+
+
+def _scalar(kind: str) -> Callable[[], object]:
+    model = mlps()
+    model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    return lambda: fully_shard(model, mp_policy=policy(kind, model))
+
+
+def _non_contiguous(kind: str) -> Callable[[], object]:
+    conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    return lambda: fully_shard(conv, mp_policy=policy(kind, conv))
+
+
+TORCH_ERRORS: dict[str, tuple[Callable[[str], Callable[[], object]], type[Exception], str]] = {
+    "lazy_init_from_a_non_root_first": (
+        _lazy_init_from_a_non_root, RuntimeError, "already been lazily initialized for 0.in_proj"
+    ),
+    "a_grouped_call_as_root": (
+        _grouped_root, RuntimeError, "FSDP requires a single root module but got"
+    ),
+    "an_invalid_shard_dim": (_shard_dim_1, AssertionError, "Shard dim 1 is invalid for 1D tensor"),
+    "uneven_sharding_on_dim_1": (_uneven_dim_1, NotImplementedError, "uneven sharding on dim 1"),
+    "a_scalar_parameter": (
+        _scalar, ValueError, "Change scalar_p to a 1D tensor with numel equal to 1"
+    ),
+    "a_non_contiguous_parameter": (
+        _non_contiguous, NotImplementedError, "does not support non-contiguous parameters"
+    ),
+}  # fmt: skip
+
+
+def torch_s_error(
+    reach: Callable[[str], Callable[[], object]], error: type[Exception], match: str
+) -> dict[str, str]:
+    """Every kind raises torch's own error; its message, per kind, for the comparison."""
     out = {}
     for kind in kinds():
-        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
-        with pytest.raises(AssertionError, match="Shard dim 1 is invalid for 1D tensor") as caught:
-            fully_shard(model, mp_policy=policy(kind, model), shard_placement_fn=lambda p: Shard(1))
-        out[kind] = str(caught.value)  # torch's own message, word for word
+        call = reach(kind)
+        with pytest.raises(error, match=match) as caught:
+            call()
+        out[kind] = str(caught.value)
     return out
 
 
-def case_uneven_sharding_on_dim_1_is_torch_s_error() -> dict[str, str]:
-    out = {}
-    for kind in kinds():
-        model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
-        with pytest.raises(NotImplementedError, match="uneven sharding on dim 1") as caught:
-            fully_shard(model, mp_policy=policy(kind, model), shard_placement_fn=largest_dim)
-        out[kind] = str(caught.value)  # torch's own message, word for word
-    return out
-
-
-def case_a_scalar_parameter_is_torch_s_error() -> dict[str, str]:
-    out = {}
-    for kind in kinds():
-        model = mlps()
-        model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
-        with pytest.raises(
-            ValueError, match="Change scalar_p to a 1D tensor with numel equal to 1"
-        ) as caught:
-            fully_shard(model, mp_policy=policy(kind, model))
-        out[kind] = str(caught.value)  # torch's own message, word for word
-    return out
-
-
-def case_a_non_contiguous_parameter_is_torch_s_error() -> dict[str, str]:
-    out = {}
-    for kind in kinds():
-        conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
-        with pytest.raises(
-            NotImplementedError, match="does not support non-contiguous parameters"
-        ) as caught:
-            fully_shard(conv, mp_policy=policy(kind, conv))
-        out[kind] = str(caught.value)  # torch's own message, word for word
-    return out
+for _name, _error_case in TORCH_ERRORS.items():
+    globals()[f"case_{_name}_is_torch_s_error"] = functools.partial(torch_s_error, *_error_case)
 
 
 def case_the_old_import_path_trains() -> dict[str, str]:
