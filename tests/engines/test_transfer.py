@@ -167,3 +167,15 @@ def test_weight_group_refuses_a_bad_backend_or_rank() -> None:
         weight_group("127.0.0.1", 1, 0, 2, backend="mpi")
     with pytest.raises(ValueError, match=r"rank=2 is not in \[0, 2\)"):
         weight_group("127.0.0.1", 1, 2, 2)
+
+
+@pytest.mark.fast
+def test_a_bucket_smaller_than_the_alignment_is_refused_before_anything_is_sent() -> None:
+    class Nothing:
+        metadata: list[Any] = []
+
+        def __iter__(self) -> Any:
+            raise AssertionError("nothing may be gathered")
+
+    with pytest.raises(ValueError, match=r"bucket_bytes=8; pass at least 16"):
+        send_weights(Nothing(), group=None, bucket_bytes=8)
