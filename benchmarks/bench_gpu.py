@@ -92,7 +92,6 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import bench_peers  # benchmarks/, the script's own directory
 import fsdp_precision as fp
 from fsdp_precision.checkpoint import export_safetensors
 from fsdp_precision.testing import CollectiveRecorder, process_group
@@ -976,7 +975,7 @@ def run_one(
     if case == "export":
         return run_export(qwen, args, Path(args.export_dir) if args.export_dir else None)
     if case == "peers":  # bench_peers.py's comparison, composed from its own functions
-        return bench_peers.gpu_case(args.iters)
+        return peers().gpu_case(args.iters)
     work, backend, iters = qwen, None, args.iters
     if case == "wan_block":
         try:
@@ -1004,13 +1003,21 @@ def run_one(
     return result
 
 
+def peers() -> Any:
+    """``benchmarks/bench_peers.py`` (beside this file), imported when its case runs."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_peers
+
+    return bench_peers
+
+
 def summary_of_case(case: str, result: dict[str, Any]) -> str:
     lines = [f"== {case}: {result['status']} ({result.get('wall_s', 0):.1f} s)"]
     if result["status"] != "ok":
         lines.append(f"   {result.get('reason')}")
         return "\n".join(lines)
     if case == "peers":
-        return "\n".join([*lines, bench_peers.gpu_summary(result)])
+        return "\n".join([*lines, peers().gpu_summary(result)])
     if case == "export":
         lines.append(
             f"   {result['call']}: {result['bytes_written'] / 1e9:.2f} GB in "
