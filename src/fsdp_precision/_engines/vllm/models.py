@@ -14,17 +14,21 @@ Imports vLLM: resolved only inside vLLM's processes.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch.nn as nn
+import vllm
 from vllm.model_executor.models.registry import ModelRegistry
 
 from fsdp_precision._engines.kept import kept_of_export
-from fsdp_precision._engines.vllm.archs import ARCHITECTURES
+from fsdp_precision._engines.vllm.archs import ARCHITECTURES, TESTED_VLLM
 from fsdp_precision._engines.vllm.experts import repair_expert_updates
 from fsdp_precision._engines.vllm.hold import Held, build, fused_of, renamer_of
 
 __all__ = ["ORIGINALS", "model_class"]
+
+logger = logging.getLogger(__name__)
 
 #: vLLM's own registry entries of the architectures the plugin registered over, kept by
 #: :func:`.plugin.register`; a process where it did not run (vLLM's model inspection
@@ -37,6 +41,19 @@ def _original(architecture: str) -> type[nn.Module]:
     cls = entry.load_model_cls()
     assert not getattr(cls, "_fsdp_precision_model", False), architecture  # not our own
     return cls  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _warn_if_untested() -> None:
+    """Once, where a kept model is built: a vLLM the integration was not run against."""
+    version = str(vllm.__version__).split("+")[0]
+    if version not in TESTED_VLLM:
+        logger.warning(
+            "fsdp-precision: vLLM %s is not a release its integration was run against (%s); "
+            "every kept tensor is still read back after each load",
+            version,
+            ", ".join(TESTED_VLLM),
+        )
 
 
 @functools.cache
@@ -54,6 +71,7 @@ def model_class(architecture: str) -> type[nn.Module]:
             if kept is None:
                 super().__init__(vllm_config=vllm_config, prefix=prefix)
             else:
+                _warn_if_untested()
                 with build(kept, architecture, rename, fused) as current:
                     super().__init__(vllm_config=vllm_config, prefix=prefix)
                 self_held = Held(self, current)

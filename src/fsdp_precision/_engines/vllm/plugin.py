@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from fsdp_precision._engines.vllm.archs import ARCHITECTURES, TESTED_VLLM
+from fsdp_precision._engines.vllm.archs import ARCHITECTURES
 
 __all__ = ["register"]
 
@@ -24,20 +24,11 @@ _MODELS = "fsdp_precision._engines.vllm.models"
 
 def register() -> None:
     """Register the integration with the vLLM of this process (idempotent)."""
-    import vllm  # lazy: the engine, imported in its own processes only
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # lazy: as above
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # lazy: the engine
     from vllm.model_executor.models.registry import ModelRegistry  # lazy: the engine's registry
 
     from fsdp_precision._engines.vllm import layers, models  # lazy: they import vLLM
 
-    version = str(vllm.__version__).split("+")[0]
-    if version not in TESTED_VLLM:
-        logger.warning(
-            "fsdp-precision: vLLM %s is not a release its integration was run against (%s); "
-            "kept tensors are still read back after every load",
-            version,
-            ", ".join(TESTED_VLLM),
-        )
     for name, cls in (
         ("GateLinear", layers.KeptGateLinear),
         ("LogitsProcessor", layers.KeptGuardLogitsProcessor),
@@ -47,8 +38,8 @@ def register() -> None:
             continue
         if current is not None:
             logger.warning(
-                "fsdp-precision: another vLLM plugin replaced %s (%s); kept routers are then "
-                "converted after the build instead",
+                "fsdp-precision: another vLLM plugin replaced %s (%s); a kept router is then "
+                "built in the bulk dtype and refused by name",
                 name,
                 current,
             )
