@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 
 import fsdp_precision._edges.offline as offline
 from fsdp_precision.checkpoint import export_safetensors, save_checkpoint
 
-pytestmark = pytest.mark.usefixtures("world1")
+from tests.support import requires_export
+
+pytestmark = [pytest.mark.usefixtures("world1"), requires_export]
 
 
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
@@ -36,6 +37,8 @@ def exported(model: nn.Module, tmp_path: Path, shard: str) -> dict[str, torch.Te
     save_checkpoint(tmp_path / "ckpt", model)
     out = tmp_path / "out"
     export_safetensors(tmp_path / "ckpt", out, max_shard_size=shard)
+    from safetensors.torch import load_file  # the hf extra (requires_export)
+
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
