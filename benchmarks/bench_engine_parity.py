@@ -49,19 +49,13 @@ from typing import Any
 
 import torch
 
+from bench_advice_training import corpus  # the same text, the same bytes-as-tokens
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TOP_K, EXPERTS = 2, 8
-
-
-def corpus() -> torch.Tensor:
-    """The interpreter's help text as bytes."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
 def build(seed: int) -> torch.nn.Module:

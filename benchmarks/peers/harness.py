@@ -160,18 +160,17 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> tor
     return loss.detach().float()
 
 
-def reference_grads(base: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The fp32 model's step-0 loss (this rank's batch) and gradients averaged over the ranks."""
-    model = copy.deepcopy(base)
-    ids = batch(0)
+def reference_backward(model: nn.Module, step: int) -> torch.Tensor:
+    """Forward and backward of the unsharded fp32 model on this rank's batch, the gradients then
+    averaged over the ranks as FSDP averages them; the loss."""
+    ids = batch(step)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        g = param.grad if param.grad is not None else torch.zeros_like(param)
-        dist.all_reduce(g)
-        grads[name] = g / dist.get_world_size()
-    return loss.detach(), grads
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+    return loss.detach()
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -198,7 +197,17 @@ def measure(
     base = build(family, smoke=smoke).to(device())
     kept = KEPT[family]
     names = kept_names(base, kept)
-    ref_loss, ref_grads = reference_grads(base)
+    # The fp32 reference, trained alongside: its step-0 gradients are what every peer's are
+    # compared with, its last loss what theirs is.
+    reference = copy.deepcopy(base)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ref_loss = reference_backward(reference, 0)
+    ref_grads = {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in reference.named_parameters()
+    }
+    ref_optim.step()
+    ref_optim.zero_grad()
     runs: dict[str, dict[str, Any]] = {}
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     for peer in peers:
@@ -239,9 +248,6 @@ def measure(
             "digest": digest.hexdigest(),
             "times": [],
         }  # fmt: skip
-    reference = copy.deepcopy(base)
-    ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    reference_step(reference, ref_optim, 0)
     for step in range(1, steps + 1):
         order = list(models) if step % 2 else list(reversed(models))
         for name in order:
@@ -251,24 +257,12 @@ def measure(
             loss = train_step(model, optim, step)
             runs[name]["times"].append(synced(now() - start))
             runs[name]["last_loss"] = float(loss)
-        ref_last = reference_step(reference, ref_optim, step)
+        ref_last = float(reference_backward(reference, step))
+        ref_optim.step()
+        ref_optim.zero_grad()
     for run in runs.values():
         run["last_loss_error"] = abs(run.pop("last_loss", ref_loss) - ref_last) if steps else 0.0
     return runs
-
-
-def reference_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
-    """One step of the unsharded fp32 model, gradients averaged over the ranks as FSDP does."""
-    ids = batch(step)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad /= dist.get_world_size()
-    optim.step()
-    optim.zero_grad()
-    return float(loss.detach())
 
 
 def memory(peer: ModuleType, family: str, steps: int, smoke: bool = False) -> dict[str, Any]:
