@@ -321,10 +321,14 @@ def collect_cases(module_globals: dict[str, object]) -> list[str]:
 
 @contextlib.contextmanager
 def unpatched() -> Iterator[None]:
-    """Run a block on torch's original FSDP2 (the harness re-applies the patch afterwards)."""
+    """Run a block on torch's original FSDP2, where building a mapped policy does not install
+    the patch either (torch alone, as a control); the patch is re-applied afterwards."""
+    from fsdp_precision._policy import armed  # lazy: private, for controls only
+
     fp.remove_param_dtype_map_patch()
     try:
-        yield
+        with armed.disarmed():
+            yield
     finally:
         fp.apply_param_dtype_map_patch()
 

@@ -109,9 +109,10 @@ class StateDictMismatchError(CheckpointError):
 
 
 class PolicyNotAppliedError(FsdpPrecisionError, RuntimeError):
-    """A model that a ``model_policy`` was built for ran a training forward, and no
-    ``fully_shard`` call had applied the policy (a framework skipped FSDP: one process without a
-    launcher). Raised before the step computes anything."""
+    """A policy would apply nowhere: a model that a ``model_policy`` was built for ran a training
+    forward that no ``fully_shard`` call had prepared (a framework skipped FSDP: one process
+    without a launcher), raised before the step computes anything; or
+    ``remove_param_dtype_map_patch`` was called while a policy that needs the patch is alive."""
 
 
 class UnitUsageError(FsdpPrecisionError, RuntimeError):

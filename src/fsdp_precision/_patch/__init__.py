@@ -19,8 +19,11 @@ import threading
 
 import torch
 
+from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._base.errors import PolicyNotAppliedError
 from fsdp_precision._base.sources import verify_sources
 from fsdp_precision._policy.agree import set_checking
+from fsdp_precision._policy.armed import policies_in_use, register_installer
 from fsdp_precision._releases import ReleaseTraits, release_module
 
 __all__ = [
@@ -38,10 +41,12 @@ _applied: ReleaseTraits | None = None  # the installed release's traits, while i
 def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
     """Enable ``ParamDtypeMixedPrecisionPolicy.param_dtype_map`` in ``fully_shard``.
 
-    Idempotent. Call it before ``fully_shard``. Raises :class:`UnsupportedTorchError` on a torch
-    release without a release module and :class:`PatchIntegrityError` when any upstream function
-    the patch replaces or relies on differs from the recorded source; in both cases nothing is
-    patched. Units whose policy has no map keep the upstream code path exactly.
+    Idempotent. Building a policy with a map (or boundary casts, or uncast inputs) calls it
+    too; call it yourself to fail early or to set ``check_ranks``. Raises
+    :class:`UnsupportedTorchError` on a torch release without a release module and
+    :class:`PatchIntegrityError` when any upstream function the patch replaces or relies on
+    differs from the recorded source; in both cases nothing is patched. Units whose policy has
+    no map keep the upstream code path exactly.
 
     ``check_ranks``: while the patch is installed, every ``fully_shard`` call compares what it
     resolved across the ranks of its mesh (one all-gather of 16 bytes per call, at construction)
@@ -70,17 +75,47 @@ def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
 def remove_param_dtype_map_patch() -> None:
     """Restore torch's original functions. Idempotent.
 
-    Modules already wrapped with a mapped policy must not run afterwards: their FSDP state was
-    built for the patched functions.
+    Raises :class:`PolicyNotAppliedError`, and removes nothing, while a policy that needs the
+    patch is alive (one a wrapped module holds included): without the patch, ``fully_shard``
+    would take it as a plain ``MixedPrecisionPolicy``, and a unit built with it would gather its
+    kept parameters in ``param_dtype``. Delete them first.
     """
     global _applied
     with _lock:
         if _applied is None:
             return
+        _refuse_in_use()
         from fsdp_precision._patch import replacements  # lazy: imports torch internals
 
         replacements.uninstall()
         _applied = None
+
+
+def _refuse_in_use() -> None:
+    in_use = policies_in_use()
+    if not in_use:
+        return
+    first = in_use[0]
+    asks = [
+        f"{name} {{{', '.join(f'{k!r}: {show(v)}' for k, v in list(items)[:3])}}}"
+        for name, items, show in (
+            ("param_dtype_map", first.param_dtype_map.items(), dtype_name),
+            ("module_casts", first.module_casts.items(), repr),
+        )
+        if items
+    ] or [f"uncast_inputs {sorted(first.uncast_inputs)}"]
+    compute = dtype_name(first.param_dtype) if first.param_dtype else "their storage dtype"
+    raise PolicyNotAppliedError(
+        f"remove_param_dtype_map_patch: {len(in_use)} ParamDtypeMixedPrecisionPolicy object(s) "
+        f"that need the patch are alive (e.g. one with {' and '.join(asks)}), held by your code "
+        "or by modules fully_shard wrapped with them; without the patch torch would take them "
+        "as plain MixedPrecisionPolicy objects, and their units would compute every parameter "
+        f"in {compute}. Delete the wrapped models and the policies first (del model, policy), "
+        "or keep the patch"
+    )
+
+
+register_installer(apply_param_dtype_map_patch)
 
 
 def is_param_dtype_map_patch_applied() -> bool:

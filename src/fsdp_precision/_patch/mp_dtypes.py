@@ -9,6 +9,7 @@ original parameter dtype", "... uniform reduce dtype") and sets the same group s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -23,12 +24,15 @@ from fsdp_precision._patch.tags import MAPPED_UNIT_ATTR, mapped_dtype
 
 __all__ = ["init_mp_dtypes"]
 
-_per_param_policies: dict[tuple[Hashable, torch.dtype], MixedPrecisionPolicy] = {}
+#: Plain per-parameter policies by unit policy and dtype; weak, so that a unit's policy dies with
+#: it (``remove_param_dtype_map_patch`` refuses while a mapped policy is alive).
+_per_param_policies: weakref.WeakKeyDictionary[Hashable, dict[torch.dtype, MixedPrecisionPolicy]]
+_per_param_policies = weakref.WeakKeyDictionary()
 
 
 def _policy_for(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> MixedPrecisionPolicy:
-    key = (policy, dtype)
-    cached = _per_param_policies.get(key)
+    by_dtype = _per_param_policies.setdefault(policy, {})
+    cached = by_dtype.get(dtype)
     if cached is None:
         cached = MixedPrecisionPolicy(
             param_dtype=dtype,
@@ -36,7 +40,7 @@ def _policy_for(policy: MixedPrecisionPolicy, dtype: torch.dtype) -> MixedPrecis
             output_dtype=policy.output_dtype,
             cast_forward_inputs=policy.cast_forward_inputs,
         )
-        _per_param_policies[key] = cached
+        by_dtype[dtype] = cached
     return cached
 
 

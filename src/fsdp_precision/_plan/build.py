@@ -21,6 +21,7 @@ from fsdp_precision._plan.casts import activation_dtype, local_casts, module_cas
 from fsdp_precision._plan.claims import Claimed, fqns_by_param
 from fsdp_precision._plan.quantized import gather_format
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+from fsdp_precision._policy.armed import planning
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import accepted
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
@@ -332,6 +333,18 @@ def _policy_for(
             f"{sorted(dtype_name(d) for d in trainable_dtypes)} but reduce_dtype is None; set "
             "PrecisionRules(reduce_dtype=torch.float32)"
         )
+    with planning():  # built where the patch cannot run too: the plan's apply() raises
+        return _mapped_policy(rules, cast, mapped, casts, uncast, scope)
+
+
+def _mapped_policy(
+    rules: PrecisionRules,
+    cast: bool,
+    mapped: dict[str, torch.dtype],
+    casts: dict[str, ModuleCast],
+    uncast: frozenset[str],
+    scope: ModelScope | None,
+) -> ParamDtypeMixedPrecisionPolicy:
     if scope is not None:  # keys for reading: the root-relative names
         return ModelScopedPolicy(
             param_dtype=rules.param_dtype,

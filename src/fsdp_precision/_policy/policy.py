@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_precision._base.dtypes import check_mappable_dtype, dtype_repr
+from fsdp_precision._policy.armed import arm, unpickled
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import check_uncast_inputs
 
@@ -57,9 +58,15 @@ class _FrozenMap(Mapping[str, V]):
 class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
     """FSDP2's ``MixedPrecisionPolicy`` with exact per-parameter compute dtypes.
 
-    Pass it to ``fully_shard`` after :func:`apply_param_dtype_map_patch`. Parameters named in
-    ``param_dtype_map`` are all-gathered and computed in their mapped dtype, inside the same
-    FSDP unit as the rest: one all-gather and one reduce-scatter per unit, whatever the mix.
+    Pass it to ``fully_shard``. Parameters named in ``param_dtype_map`` are all-gathered and
+    computed in their mapped dtype, inside the same FSDP unit as the rest: one all-gather and one
+    reduce-scatter per unit, whatever the mix.
+
+    A policy with a map, boundary casts or uncast inputs installs the patch when it is built (or
+    unpickled), as :func:`apply_param_dtype_map_patch` does: torch would otherwise take it as a
+    plain ``MixedPrecisionPolicy`` and apply none of them. On a torch the patch cannot run on,
+    building one raises :class:`UnsupportedTorchError` or :class:`PatchIntegrityError`. A policy
+    that asks for none of them installs nothing: it is torch's path.
 
     Attributes:
         param_dtype (Optional[torch.dtype]): Compute and all-gather dtype of every parameter the
@@ -142,6 +149,16 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
         object.__setattr__(self, "param_dtype_map", _FrozenMap(checked))
         object.__setattr__(self, "module_casts", _FrozenMap(_checked_casts(self.module_casts)))
         object.__setattr__(self, "uncast_inputs", check_uncast_inputs(self.uncast_inputs))
+        arm(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt through the constructor, so that a policy sent to a spawned process installs
+        # the patch there (the default pickle would skip __post_init__).
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        record["param_dtype_map"] = dict(self.param_dtype_map or {})
+        record["module_casts"] = dict(self.module_casts or {})
+        record["uncast_inputs"] = tuple(sorted(self.uncast_inputs))
+        return (unpickled, (type(self), record))
 
 
 def _checked_casts(raw: object) -> dict[str, ModuleCast]:

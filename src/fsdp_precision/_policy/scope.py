@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_precision._base.errors import ParamDtypeMapError
+from fsdp_precision._policy.armed import unpickled
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
 
@@ -115,7 +116,9 @@ class ModelScopedPolicy(ParamDtypeMixedPrecisionPolicy):
 
 def _plain_policy(record: dict[str, Any]) -> ParamDtypeMixedPrecisionPolicy:
     """What a pickled :class:`ModelScopedPolicy` loads as (module-level: pickle finds it)."""
-    return ParamDtypeMixedPrecisionPolicy(**record)
+    policy = unpickled(ParamDtypeMixedPrecisionPolicy, record)
+    assert isinstance(policy, ParamDtypeMixedPrecisionPolicy)
+    return policy
 
 
 def resolve_by_slot(
