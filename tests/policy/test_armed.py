@@ -84,7 +84,7 @@ def case_removal_refused_while_a_policy_needs_the_patch() -> None:
     del mapped  # the wrapped block still holds it
     with pytest.raises(
         fp.PolicyNotAppliedError,
-        match=r"1 ParamDtypeMixedPrecisionPolicy .*"
+        match=r"\d ParamDtypeMixedPrecisionPolicy .*"
         r"param_dtype_map \{'kept.weight': float32, 'kept.bias': float32\}.*"
         r"compute every parameter in bfloat16\. Delete the wrapped models",
     ):
