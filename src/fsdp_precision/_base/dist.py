@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fsdp_precision._base.devices import rank_device
+
 __all__ = [
     "free_port",
     "full_tensor",
@@ -33,14 +35,16 @@ def gather_across_ranks(record: T, *, group: dist.ProcessGroup | None = None) ->
     ``record`` is any picklable value; a frozen dataclass keeps it typed. Without an initialized
     process group (or in a group of one) this is ``[record]``. Every rank of the group must
     call it (it is a collective: ``torch.distributed.all_gather_object``). Works on gloo and on
-    NCCL; NCCL sends the pickled bytes through the current CUDA device, so each rank must have
-    called ``torch.cuda.set_device(local_rank)`` first (else ranks collide on device 0).
+    NCCL; NCCL sends the pickled bytes through the current CUDA device, which is made this
+    rank's first where the caller has not chosen one (``LOCAL_RANK``, see
+    :func:`~fsdp_precision._base.devices.rank_device`).
 
     >>> worst = max(gather_across_ranks(local_diff))  # doctest: +SKIP
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [record]
     out: list[T | None] = [None] * dist.get_world_size(group)
+    rank_device(group)
     dist.all_gather_object(out, record, group=group)
     return cast(list[T], out)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
+from fsdp_precision._base.devices import group_device
 from fsdp_precision._base.dtypes import dtype_name
 
 __all__ = [
@@ -146,7 +147,7 @@ def send_weights(
     Every rank of the trainer iterates the stream (its gathers are collective over the model's
     own group); call this on the trainer rank that is ``src`` in ``group`` and
     ``stream.drain()`` on the trainer's other ranks. ``device``: where buckets are packed
-    (``"cuda"`` for NCCL; default: where the stream's tensors are)."""
+    (default: the group's device, the GPU for NCCL, the CPU for gloo)."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes}; pass at least {ALIGN}")
     metas = [WireMeta(m.name, m.dtype, tuple(m.shape), m.kept) for m in stream.metadata]
@@ -157,8 +158,8 @@ def send_weights(
             "tensors": [[m.name, dtype_name(m.dtype), list(m.shape), m.kept] for m in metas],
         }
     ).encode()
-    target = torch.device(device) if device is not None else None
-    _send_header(group, header, src, target or torch.device("cpu"))
+    target = torch.device(device) if device is not None else group_device(group)
+    _send_header(group, header, src, target)
     buckets = _layout(metas, bucket_bytes)
     sent = 0
     pending: list[torch.Tensor] = []
@@ -168,7 +169,7 @@ def send_weights(
             name, tensor = next(items)
             assert name == meta.name, (name, meta.name)  # the stream checks its own metadata
             pending.append(tensor)
-        buffer = torch.empty(_size(bucket), dtype=torch.uint8, device=target or pending[0].device)
+        buffer = torch.empty(_size(bucket), dtype=torch.uint8, device=target)
         for (meta, offset), tensor in zip(bucket, pending, strict=True):
             flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
             buffer[offset : offset + meta.nbytes].copy_(flat)
@@ -214,12 +215,13 @@ class ReceivedWeights:
 
 
 def receive_weights(
-    group: Group, *, src: int = 0, device: torch.device | str = "cpu"
+    group: Group, *, src: int = 0, device: torch.device | str | None = None
 ) -> ReceivedWeights:
     """Receive the metadata :func:`send_weights` sends (collective), and return the weights to
-    iterate: pass them to the engine's loader. A header that is not this library's, or names a
-    dtype outside the wire's, raises ``ValueError`` before any tensor is received."""
-    target = torch.device(device)
+    iterate: pass them to the engine's loader. ``device``: where they arrive (default: the
+    group's device, the GPU for NCCL, the CPU for gloo). A header that is not this library's, or
+    names a dtype outside the wire's, raises ``ValueError`` before any tensor is received."""
+    target = torch.device(device) if device is not None else group_device(group)
     length = torch.empty(1, dtype=torch.int64, device=target)
     _broadcast(group, length, src)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=target)

@@ -129,6 +129,9 @@ class PlanData:
     def totals(self) -> dict[str, Any]:
         """Units, collectives per step and bytes all-gathered per step, for this plan."""
         totals = cost.totals(self.units, self.world_size, self.knobs)
-        # Each trainable replicated (0-dim) parameter: one gradient all-reduce per backward.
-        totals["all_reduces_per_step"] += sum(p.reduce is not None for p in self.replicated)
+        # The trainable replicated (0-dim) parameters: one flat gradient all-reduce per storage
+        # dtype (and data-parallel mesh dimension) per backward (replicated.average_gradients).
+        totals["all_reduces_per_step"] += len(
+            {p.storage for p in self.replicated if p.reduce is not None}
+        )
         return totals

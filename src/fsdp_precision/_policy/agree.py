@@ -41,6 +41,9 @@ _checking = True  # apply_param_dtype_map_patch(check_ranks=...)
 # its own group objects); only names a call in messages.
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 _calls_lock = threading.Lock()
+#: What a rank that already saw a difference sends instead of its digest (a digest equal to it
+#: has probability 2**-128).
+_FLAG = [0, 0]
 
 
 def set_checking(enabled: bool) -> None:
@@ -107,23 +110,53 @@ def agree(
     record: CallRecord, groups: Sequence[dist.ProcessGroup | None], device: torch.device
 ) -> None:
     """Compare ``record`` across the ranks of each group (the mesh's shard group, and its
-    replicate group for HSDP); raise :class:`RankMismatchError` on every rank where they differ
-    or any rank refused the call. A group of one rank, or no process group, checks nothing."""
-    for group in groups:
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            continue
+    replicate group for HSDP); raise :class:`RankMismatchError` on every rank of every group
+    when any rank differs or refused the call. A group of one rank, or no process group, checks
+    nothing.
+
+    Every rank takes part in every group's comparison before any rank raises: a rank that
+    already saw a difference (or refused the call) sends a flag instead of its digest, so a
+    difference confined to one shard group reaches every other shard group through the
+    replicate group (each of which holds a rank of every shard group), instead of one shard
+    group raising while the others wait on the replicate group. The explanation (every record)
+    is then gathered over each group whose comparison showed something wrong, which all of that
+    group's ranks saw alike."""
+    live = [
+        g for g in groups if g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
+    ]
+    if not live:
+        return
+    call = _next_call(live[0])
+    flagged = bool(record.refusal)
+    wrong: list[dist.ProcessGroup] = []
+    for group in live:
         size = dist.get_world_size(group)
-        call = _next_call(group)
-        mine = torch.tensor(record.digest(), dtype=torch.int64, device=device)
+        sent = _FLAG if flagged else record.digest()
+        mine = torch.tensor(sent, dtype=torch.int64, device=device)
         gathered = torch.empty(size * 2, dtype=torch.int64, device=device)
         _all_gather(gathered, mine, group=group)
-        digests = [tuple(row) for row in gathered.view(size, 2).tolist()]
-        if len(set(digests)) == 1 and not record.refusal:
-            continue
-        records: list[CallRecord | None] = [None] * size
+        rows = {tuple(row) for row in gathered.view(size, 2).tolist()}
+        if len(rows) > 1 or tuple(_FLAG) in rows:
+            wrong.append(group)
+            flagged = True
+    if not wrong:
+        return
+    messages = []
+    for group in wrong:
+        records: list[CallRecord | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(records, record, group=group)
         ranks = dist.get_process_group_ranks(group)
-        raise RankMismatchError(_message(call, [r for r in records if r is not None], ranks))
+        messages.append(_message(call, [r for r in records if r is not None], ranks))
+    raise RankMismatchError(next((m for m in messages if m), _elsewhere(call, wrong)))
+
+
+def _elsewhere(call: int, groups: Sequence[dist.ProcessGroup]) -> str:
+    ranks = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})
+    return (
+        f"{_call(call, ranks)}: ranks of another group of the mesh resolved it differently or "
+        "refused it (their error names what differs); every rank stops here, before anything "
+        "is sharded"
+    )
 
 
 def _next_call(group: dist.ProcessGroup) -> int:
@@ -164,7 +197,7 @@ def _message(call: int, records: list[CallRecord], ranks: list[int]) -> str:
             "file read on rank 0 only make them differ); every rank stops here, before "
             "anything is sharded"
         )
-    return f"{_call(call, ranks)} differs across ranks"  # digests collided: never seen
+    return ""  # the same records here: the difference is in another group
 
 
 def _call(call: int, ranks: list[int]) -> str:

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_precision._advise.advice import PrecisionAdvice
 from fsdp_precision._advise.usage import param_usage
+from fsdp_precision._base.devices import rank_device
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.units import choose_units
@@ -82,12 +83,6 @@ def plan_model_for_training(
     return replace(plan, unit_choice=choice)
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _mesh(config: DistributedConfig, device: torch.device) -> Any:
     world = dist.get_world_size()
     if config.parallel_strategy == "fsdp":
@@ -145,7 +140,7 @@ def wrap_model_for_training(
             "state dict on rank 0 (and {} on the other ranks) so that each rank receives its "
             "shards. reset_parameters() after to_empty() would give every rank identical shards"
         )
-    device = _device()
+    device = rank_device()  # the group's backend for CUDA; LOCAL_RANK made current
     if config.parallel_strategy == "ddp":
         model = model.to(device)
         return DistributedDataParallel(
@@ -210,5 +205,4 @@ def make_grad_scaler(config: DistributedConfig, **kwargs: Any) -> Any:
     """
     if config.precision().param_dtype != torch.float16:
         return None
-    device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return ShardedGradScaler(device=device, **kwargs)
+    return ShardedGradScaler(device=rank_device().type, **kwargs)

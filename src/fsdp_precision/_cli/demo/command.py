@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_precision._base.devices import local_cuda_index, rank_device
 from fsdp_precision._base.dist import is_rank0, under_torchrun
 from fsdp_precision._base.launch import launch, process_group
 from fsdp_precision._cli.demo.job import DemoJob, Training, resume, smallest_block
@@ -170,11 +171,14 @@ def _outside_torchrun() -> Iterator[None]:
 
 @contextmanager
 def _rank_group() -> Iterator[None]:
-    """This rank's process group: NCCL on its GPU when it has one, else gloo on one thread."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    """This rank's process group: NCCL where every rank of the node has a GPU of its own, else
+    gloo on one thread each. One decision for all ranks: deciding per rank (``LOCAL_RANK <
+    device_count``) put rank 0 of two on NCCL and rank 1 on gloo on a one-GPU machine, and the
+    first collective hung."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        local_cuda_index()  # cuda:LOCAL_RANK made current before the group exists
     else:
         torch.set_num_threads(1)
     with process_group("nccl" if use_cuda else "gloo"):
@@ -187,11 +191,7 @@ def _rank_group() -> Iterator[None]:
 def _job(opts: DemoOptions) -> tuple[DemoModel, DemoJob]:
     started = time.perf_counter()
     spec = demo_model(opts.model, dim=opts.dim, depth=opts.depth)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = rank_device()
     torch.manual_seed(opts.seed)
     with torch.device(device):
         model = spec.build()

@@ -10,6 +10,8 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_precision._base.devices import rank_device
+
 __all__ = [
     "CheckpointException",
     "barrier",
@@ -47,6 +49,7 @@ def from_rank0(value: T) -> T:
     if not distributed():
         return value
     box: list[T] = [value]
+    rank_device()  # NCCL sends objects through the current device: this rank's (LOCAL_RANK)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -62,6 +65,7 @@ def raise_collectively(error: BaseException | None) -> None:
             raise error
         return
     gathered: list[BaseException | None] = [None] * dist.get_world_size()
+    rank_device()  # NCCL sends objects through the current device: this rank's (LOCAL_RANK)
     dist.all_gather_object(gathered, error)
     for rank, item in enumerate(gathered):
         if item is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fsdp_precision._base.devices import rank_device
 from fsdp_precision._base.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
 from fsdp_precision._edges.checkpoint.atomic import METADATA_FILE
 from fsdp_precision._edges.checkpoint.collective import distributed, rank_world
@@ -38,6 +39,7 @@ def record_checksums(directory: Path) -> tuple[dict[str, Any] | None, Checkpoint
     parts: list[Any] = [(found, error)]
     if distributed():
         parts = [None] * dist.get_world_size()
+        rank_device()  # NCCL sends objects through the current device: this rank's (LOCAL_RANK)
         dist.all_gather_object(parts, (found, error))
     files: dict[str, str] = {}
     for part_found, part_error in parts:
