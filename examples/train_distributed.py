@@ -28,7 +28,10 @@ def main() -> None:
     if "RANK" not in os.environ:  # plain `python`: a one-process group
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29562")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # one GPU per process, before any collective
+    dist.init_process_group()  # gloo for CPU tensors, NCCL for CUDA ones where torch has it
     rank = dist.get_rank()
 
     torch.manual_seed(0)
@@ -62,9 +65,10 @@ def main() -> None:
     scaler = make_grad_scaler(config)  # None for bf16; a ShardedGradScaler for fp16
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
-        ids = torch.randint(0, 128, (4, 16), generator=g)
+        ids = torch.randint(0, 128, (4, 16), generator=g).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:

@@ -98,6 +98,30 @@ def case_rank0_alone_receives() -> None:
     full_weights(model, ranks="rank0").drain()  # every rank takes part; nothing kept
 
 
+def case_ranks_that_receive_nothing_copy_nothing() -> None:
+    """With ``device=`` (the export's host), only the receiving rank copies there (issue 53:
+    every rank copied every full tensor to its host, then dropped it)."""
+    from fsdp_precision._edges import stream as stream_module
+
+    model, _ = wrapped()
+    copies: list[int] = []
+    real = stream_module.to_device
+
+    def counting(tensors: dict[str, torch.Tensor], device: torch.device) -> dict:
+        copies.append(len(tensors))
+        return real(tensors, device)
+
+    stream_module.to_device = counting  # type: ignore[assignment]
+    try:
+        got = dict(full_weights(model, ranks="rank0", device="cpu"))
+    finally:
+        stream_module.to_device = real  # type: ignore[assignment]
+    if dist.get_rank() == 0:
+        assert copies and got and all(t.device.type == "cpu" for t in got.values())
+    else:
+        assert copies == [] and got == {}
+
+
 def case_tied_embedding_once() -> None:
     model, _ = wrapped(tie_word_embeddings=True)
     names = [m.name for m in full_weights(model).metadata]
@@ -154,6 +178,7 @@ CASES = [
     "case_dtypes_follow_the_plan",
     "case_a_bf16_checkpoint_streams_its_upcast_gates",
     "case_rank0_alone_receives",
+    "case_ranks_that_receive_nothing_copy_nothing",
     "case_tied_embedding_once",
     "case_engine_consumer_matches_the_trained_logits",
     "case_load_into_a_copy_computes_as_trained_and_refuses_another_shape",

@@ -237,8 +237,10 @@ def full_weights(
     def fetch(
         entries: Sequence[WeightEntry], dtypes: Sequence[torch.dtype]
     ) -> dict[str, torch.Tensor] | None:
-        full = {e.name: _full(e.tensor, d, target) for e, d in zip(entries, dtypes, strict=True)}
-        return full if receive else None
+        full = {e.name: _full(e.tensor, d) for e, d in zip(entries, dtypes, strict=True)}
+        if not receive:
+            return None  # gathered for the others; nothing copied to this rank's host
+        return full if target is None else to_device(full, target)
 
     stream = plan_stream(
         entries, bulk, dtype=dtype, cast_kept=cast_kept, layout=chosen, fetch=fetch
@@ -311,7 +313,23 @@ def _consumed_reason(
     return "; ".join(sorted({str(e.kept) for e in same}))
 
 
-def _full(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """One group's tensors on ``device``. From a GPU to the host: into pinned buffers, every copy
+    queued without waiting, then one synchronization for the group (one per tensor before)."""
+    if device.type != "cpu" or not any(t.is_cuda for t in tensors.values()):
+        return {name: t.to(device) for name, t in tensors.items()}
+    out = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_cuda:
+            out[name] = tensor.to(device)
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out[name] = host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return out
+
+
+def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` whole, in ``dtype``: cast on the shard, then all-gathered (DTensor)."""
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
@@ -324,7 +342,7 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | None)
         ).full_tensor()
     else:
         full = tensor.detach().to(dtype=dtype, copy=True)
-    return full if device is None else full.to(device)
+    return full
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -290,15 +290,24 @@ def _copy_in(
     grads: list[torch.Tensor], columns: list[int], rows: torch.Tensor, world_size: int
 ) -> None:
     """[mixed] One chunk_cat per gradient-dtype run, into that run's columns of the
-    ``(world_size, numel / world_size)`` send buffer; each casts to its dtype as it copies."""
+    ``(world_size, numel / world_size)`` send buffer; each casts to its dtype as it copies.
+
+    chunk_cat writes a dense ``out`` only: CUDA's fused kernel takes a contiguous output, and
+    a run's columns of the buffer are not contiguous once there are two rows (world size 2 or
+    more), where it falls back to padding and concatenating every gradient. A run that is not
+    the whole row is therefore written to a dense buffer of its own, then copied into its
+    columns (one strided copy)."""
     column = 0
     for start, stop in _runs([g.dtype for g in grads]):
         width = sum(columns[start:stop])
         # A 0-size gradient has no columns; chunk_cat refuses empty tensors, so it is left out.
         run = [g for g in grads[start:stop] if g.numel()]
-        if run:
-            out = rows if width == rows.size(1) else rows[:, column : column + width]
-            torch.ops.fsdp.chunk_cat(run, dim=0, num_chunks=world_size, out=out)
+        if run and width == rows.size(1):
+            torch.ops.fsdp.chunk_cat(run, dim=0, num_chunks=world_size, out=rows)
+        elif run:
+            dense = rows.new_empty((rows.size(0), width))
+            torch.ops.fsdp.chunk_cat(run, dim=0, num_chunks=world_size, out=dense)
+            rows[:, column : column + width].copy_(dense)
         column += width
 
 

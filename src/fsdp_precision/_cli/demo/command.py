@@ -178,6 +178,10 @@ def _rank_group() -> Iterator[None]:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     if use_cuda:
+        # Deterministic kernels (DeepSeek-V3's index_add_, cuBLAS' workspaces), so that the
+        # parity with separate units can be bitwise up to 2 ranks; set before CUDA starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
         local_cuda_index()  # cuda:LOCAL_RANK made current before the group exists
     else:
         torch.set_num_threads(1)

@@ -32,7 +32,13 @@ import torch.nn as nn
 from fsdp_precision._base.dist import gather_across_ranks
 from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._base.errors import ParamDtypeMapError
-from fsdp_precision._cli.demo.results import ResumeResult, TrainResult, UnitGathers
+from fsdp_precision._cli.demo.results import (
+    PARITY_RTOL,
+    ResumeResult,
+    TrainResult,
+    UnitGathers,
+    parity_is_bitwise_expected,
+)
 from fsdp_precision._edges.checkpoint.save_load import load_checkpoint, save_checkpoint
 from fsdp_precision._edges.checkpoint.state import model_state_dict
 from fsdp_precision._observe.collectives import CollectiveRecorder
@@ -166,6 +172,8 @@ class Training:
         ``out`` and the uninterrupted run's final state next to it (rank 0)."""
         job, ours, ref = self.job, self.ours, self.ref
         has_reference = self.reference_note is None
+        bitwise = parity_is_bitwise_expected(job.device.type, dist.get_world_size())
+        same = same_bits if bitwise else _close
         rows: dict[str, dict[str, Any]] = {
             n: {"gathered": {}, "bytes": 0, "wire": ""} for n, _ in self._units
         }
@@ -213,12 +221,12 @@ class Training:
                         "mapped": (rec_ours.count("all_gather"), rec_ours.count("reduce_scatter")),
                         "reference": (rec_ref.count("all_gather"), rec_ref.count("reduce_scatter")),
                     }
-                if not same_bits(loss, loss_ref):
+                if not same(loss, loss_ref):
                     mismatches.append(f"step {step}: loss of micro-batch {index}")
             if has_reference:
                 for name, po, pr in zip(fqns, ours.parameters(), ref.parameters(), strict=True):
                     go, gr = _local(po.grad), _local(pr.grad)
-                    if not same_bits(go, gr):
+                    if not same(go, gr):
                         mismatches.append(f"step {step}: grad {name}")
             opt_ours.step()
             opt_ours.zero_grad()
@@ -226,7 +234,7 @@ class Training:
                 opt_ref.step()
                 opt_ref.zero_grad()
                 for name, po, pr in zip(fqns, ours.parameters(), ref.parameters(), strict=True):
-                    if not same_bits(_local(po), _local(pr)):
+                    if not same(_local(po), _local(pr)):
                         mismatches.append(f"step {step}: param {name}")
             losses.append(_step_loss(micro_losses, job))
             if step == checkpoint_step:
@@ -247,6 +255,7 @@ class Training:
             device=job.device.type,
             losses=losses,
             parity=parity,
+            parity_bitwise=bitwise,
             reference_note=self.reference_note,
             gradients=len(fqns),
             counts=counts,
@@ -257,6 +266,12 @@ class Training:
             ),
             mismatches=tuple(mismatches),
         )
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=PARITY_RTOL, atol=0)
 
 
 # --------------------------------------------------------------------------- phase 2: resume

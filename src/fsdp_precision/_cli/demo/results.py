@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ResumeResult", "TrainResult", "UnitGathers", "resume_is_bitwise_expected"]
+__all__ = [
+    "PARITY_RTOL",
+    "ResumeResult",
+    "TrainResult",
+    "UnitGathers",
+    "parity_is_bitwise_expected",
+    "resume_is_bitwise_expected",
+]
 
 #: The largest relative loss difference accepted where a resumed run cannot be bitwise.
 RESUME_LOSS_RTOL = 1e-3
@@ -34,8 +41,10 @@ class TrainResult:
 
     ``parity`` is ``None`` when there is no reference (``reference_note`` says why), else whether
     every rank found losses, sharded gradients and parameters bitwise identical after every
-    step. ``mismatches`` are this rank's own. ``counts``: collectives of the first micro-batch's
-    forward and backward, ``{"mapped": (all_gathers, reduce_scatters), "reference": (...)}``.
+    step (``parity_bitwise``; else within :data:`PARITY_RTOL`, see
+    :func:`parity_is_bitwise_expected`). ``mismatches`` are this rank's own. ``counts``:
+    collectives of the first micro-batch's forward and backward, ``{"mapped": (all_gathers,
+    reduce_scatters), "reference": (...)}``.
     """
 
     output_dir: str
@@ -47,6 +56,7 @@ class TrainResult:
     device: str
     losses: list[float]
     parity: bool | None
+    parity_bitwise: bool = True
     reference_note: str | None
     gradients: int
     counts: dict[str, tuple[int, int]]
@@ -59,6 +69,20 @@ class TrainResult:
         out = asdict(self)
         del out["units"], out["mismatches"]
         return out
+
+
+#: Where the parity with separate units cannot be bitwise: the largest relative difference of a
+#: loss, sharded gradient or parameter accepted (an fp32 sum of the same terms in another order).
+PARITY_RTOL = 1e-3
+
+
+def parity_is_bitwise_expected(device_type: str, world_size: int) -> bool:
+    """Whether the library and separate units sum every gradient in the same order. On the CPU
+    (gloo) they do. On GPUs up to 2 ranks they do (a sum of two is commutative; the demo runs
+    with deterministic algorithms, so DeepSeek-V3's ``index_add_`` is too); from 3 ranks on
+    NCCL's reduce-scatter sums in an order that depends on a gradient's offset in its buffer,
+    and the two layouts place gradients at different offsets."""
+    return device_type == "cpu" or world_size <= 2
 
 
 def resume_is_bitwise_expected(train_world: int, resume_world: int) -> bool:
