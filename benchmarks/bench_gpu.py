@@ -13,9 +13,15 @@ as its plan predicts them at ``--plan-world-size`` ranks (default 8).
 The model: Qwen3-MoE from transformers' ``Qwen3MoeConfig`` (no download; fp32 master weights,
 hidden 2048, 8 layers, 64 experts, top-8, expert width 768, vocab 32k, batch 2 x 4096 tokens by
 default), one FSDP2 unit per decoder layer and the root, bf16 compute, fp32 reduce, AdamW; a
-training step is forward, backward, ``optimizer.step()`` and ``zero_grad()``. Cases, in the
-order they run:
+training step is forward, backward, ``optimizer.step()`` and ``zero_grad()``. Its depth is
+chosen from the device's free memory before anything is built (``gpu/fit.py``: a resident pair
+of copies, 12 bytes a parameter, within 60% of it; recorded as ``fit``): fewer layers than
+``--layers`` where the asked model would not fit. Cases, in the order they run:
 
+0. ``copy_in``: the patch's reduce-scatter copy-in, which no one-rank training step runs, on one
+   decoder layer's gradients laid out for ``--plan-world-size`` ranks (``gpu/copy_in.py``): every
+   ``chunk_cat`` into a dense buffer (the library) against a dtype run's ``chunk_cat`` into its
+   column slice (before issue 53), paired; both must write the same bytes (a check).
 1. ``overhead``: ``unpatched`` (torch's ``MixedPrecisionPolicy(bf16, fp32)``, wrapped and
    stepped with the patch removed, outside the timed region) against ``empty_map`` (the patch
    installed, ``ParamDtypeMixedPrecisionPolicy`` with an empty map). Goal: at most 1.01.
@@ -54,10 +60,15 @@ comes from one recorded step (``torch.cuda.max_memory_allocated``, reset before 
 
 Time guard: ``--budget-s`` (default 400) is shared among the cases as they start (unused time
 rolls over); a block stops iterating at its share, after ``--min-iters``, and the run records
-each cut (``cut_short``). The JSON (``--out``, default ``benchmarks/out/``, file
-``gpu-results.json``) is rewritten after every case, so a run stopped from outside keeps what
-it measured. ``--smoke``: CPU, gloo, tiny sizes, ``aot_eager``, two iterations, the same code
-path, seconds (CI); it writes to a temporary directory unless ``--out`` is given.
+each cut (``cut_short``). The process ends ``--grace-s`` (45) after the budget whatever runs
+(a hard stop, for a 10-minute command). A ratio of fewer than 6 paired iterations has no
+interval: its goal is reported as insufficient, never as met. At world size 1 no collective is
+observed, so no check compares observed counts (the planned ones still compare). The JSON
+(``--out``, default ``$OUT`` where the device tool sets it, else ``benchmarks/out/``; file
+``gpu-results.json``, to be copied to ``docs/gpu-results.json``) is rewritten after every case,
+so a run stopped from outside keeps what it measured. ``--smoke``: CPU, gloo, tiny sizes,
+``aot_eager``, two iterations, the same code path, seconds (CI); it writes to a temporary
+directory unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -99,7 +111,7 @@ from fsdp_precision.testing import CollectiveRecorder, process_group
 BF16, FP32 = torch.bfloat16, torch.float32
 RESULTS_FILE = "gpu-results.json"
 #: Cases in the order they run; each is recorded in the JSON, run, skipped or failed.
-CASES = ("overhead", "kept_eager", "export", "wan_block", "kept_compiled", "peers")
+CASES = ("copy_in", "overhead", "kept_eager", "export", "wan_block", "kept_compiled", "peers")
 #: Cases that may be recorded as skipped (with the reason) in a complete run.
 OPTIONAL_CASES = ("wan_block",)
 #: The timed cases: their variants, and the reference of their ratios. Wan has no "separate":
@@ -123,6 +135,7 @@ RATIOS: dict[tuple[str, str, str], float | None] = {
 }
 #: Share of the remaining budget each case gets when it starts (the last takes what is left).
 WEIGHTS = {
+    "copy_in": 0.2,
     "overhead": 1.0,
     "kept_eager": 3.0,
     "export": 0.5,
@@ -140,6 +153,9 @@ SMOKE = {
     "wan_latent": (2, 4, 4), "wan_text": 5,
 }  # fmt: skip
 SPREAD = "half the width of the distribution-free 95% interval of the median paired ratio"
+#: Fewer paired iterations than this give no interval at all (the whole range): a goal is then
+#: reported as insufficient, never as met.
+MIN_N = 6
 STATE_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq (grads are transient)
 
 
@@ -189,9 +205,12 @@ def ratio_stats(num: list[float], den: list[float], goal: float | None) -> dict[
         "geomean": geo,
         "geomean_ci95": [geo * math.exp(-half), geo * math.exp(half)],
         "n": len(ratios),
+        "sufficient": len(ratios) >= MIN_N,
         "goal": goal,
-        "meets_goal": None if goal is None else med <= goal,
-        "within_goal_plus_spread": None if goal is None else med <= goal + spread,
+        "meets_goal": None if goal is None else med <= goal and len(ratios) >= MIN_N,
+        "within_goal_plus_spread": (
+            None if goal is None else med <= goal + spread and len(ratios) >= MIN_N
+        ),
     }
 
 
@@ -312,16 +331,46 @@ class Workload:
     sizes: dict[str, Any]
 
 
-def qwen3_moe(args: argparse.Namespace, device: torch.device) -> Workload:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # lazy: seconds to import
-
-    sizes = {
-        "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+def qwen3_moe_sizes(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    return {
+        "hidden_size": args.hidden, "num_hidden_layers": layers,
         "num_experts": args.experts, "num_experts_per_tok": args.top_k,
         "moe_intermediate_size": args.moe_intermediate, "intermediate_size": 3 * args.hidden,
         "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_dim, "vocab_size": args.vocab, "max_position_embeddings": args.seq,
     }  # fmt: skip
+
+
+def qwen3_moe_params(args: argparse.Namespace, layers: int) -> int:
+    """The parameters of the Qwen3-MoE with ``layers`` decoder layers (built on meta)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    sizes = qwen3_moe_sizes(args, layers)
+    config = Qwen3MoeConfig(**sizes, use_cache=False, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def fitted(args: argparse.Namespace) -> dict[str, Any]:
+    """Fewer layers where a resident pair of the asked model would not fit the free memory
+    (``gpu/fit.py``; the host's available memory in ``--smoke``). Sets ``args.layers``."""
+    if cuda():
+        free_bytes, _ = torch.cuda.mem_get_info()
+    else:
+        free_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    layers, fit = gpu_part("fit").layers_that_fit(
+        lambda n: qwen3_moe_params(args, n), args.layers, free_bytes
+    )
+    if layers == 0:
+        raise SystemExit(f"bench_gpu.py: not one decoder layer fits: {fit}")
+    args.layers = layers
+    return dict(fit)
+
+
+def qwen3_moe(args: argparse.Namespace, device: torch.device) -> Workload:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # lazy: seconds to import
+
+    sizes = qwen3_moe_sizes(args, args.layers)
     config = Qwen3MoeConfig(**sizes, use_cache=False, tie_word_embeddings=False)
     notes: dict[str, Any] = {}
 
@@ -782,7 +831,7 @@ def contract_checks(case: str, result: dict[str, Any]) -> list[dict[str, Any]]:
         return c.get("all_gathers_per_step"), c.get("reduce_scatters_per_step")
 
     checks = []
-    if case == "overhead" and "empty_map" in v and "unpatched" in v:
+    if case == "overhead" and "empty_map" in v and "unpatched" in v and not vacuous:
         a, b = (v[n]["collectives_per_step"] for n in ("empty_map", "unpatched"))
         checks.append(
             ("empty map: the same collectives as unpatched torch", a == b, f"{a} vs {b}{vacuous}")
@@ -794,6 +843,8 @@ def contract_checks(case: str, result: dict[str, Any]) -> list[dict[str, Any]]:
         ):
             if any("error" in v[n][key] for n in ("kept", "uniform")):
                 continue  # no plan on this release: nothing to compare
+            if what == "observed" and vacuous:
+                continue  # world size 1: none observed; a passing check would say nothing
             kept, uniform = counts("kept", key), counts("uniform", key)
             detail = f"{kept} vs {uniform}{vacuous if what == 'observed' else ''}"
             checks.append(
@@ -899,6 +950,7 @@ def case_plan(args: argparse.Namespace) -> list[str]:
 def measure(args: argparse.Namespace, budget: Budget, out_file: Path | None) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda() else torch.device("cpu")
     fp.apply_param_dtype_map_patch()
+    fit = fitted(args)
     qwen = qwen3_moe(args, device)
     report: dict[str, Any] = {
         "schema": 1,
@@ -914,6 +966,7 @@ def measure(args: argparse.Namespace, budget: Budget, out_file: Path | None) -> 
         "spread": SPREAD,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "sizes": {"qwen3_moe": qwen.sizes},
+        "fit": fit,
         "cases": {},
         "ratios": [],
         "checks": [],
@@ -946,6 +999,10 @@ def measure(args: argparse.Namespace, budget: Budget, out_file: Path | None) -> 
         report["cases"][case] = result
         if result["status"] == "ok" and "variants" in result:
             report["checks"] += contract_checks(case, result)
+        if result["status"] == "ok" and case == "copy_in":
+            same = result["dense_equals_sliced"]
+            name = "copy_in: the dense copy-in writes the bytes the sliced one wrote"
+            report["checks"].append({"name": name, "passed": same, "detail": str(same)})
         for name, stats in result.get("ratios", {}).items():
             report["ratios"].append({"case": case, "ratio": name, **stats})
         report["elapsed_s"] = budget.elapsed()
@@ -974,6 +1031,11 @@ def run_one(
 ) -> dict[str, Any]:
     if case == "export":
         return run_export(qwen, args, Path(args.export_dir) if args.export_dir else None)
+    if case == "copy_in":  # the patch's reduce copy-in at the multi-rank layout, on one device
+        return gpu_part("copy_in").run(
+            qwen.sizes, device, world_size=args.plan_world_size, iters=max(args.iters, MIN_N),
+            deadline=deadline, stats=ratio_stats,
+        )  # fmt: skip
     if case == "peers":  # bench_peers.py's comparison, composed from its own functions
         return peers().gpu_case(args.iters)
     work, backend, iters = qwen, None, args.iters
@@ -1003,6 +1065,14 @@ def run_one(
     return result
 
 
+def gpu_part(name: str) -> Any:
+    """``benchmarks/gpu/<name>.py`` (beside this file)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import importlib
+
+    return importlib.import_module(f"gpu.{name}")
+
+
 def peers() -> Any:
     """``benchmarks/bench_peers.py`` (beside this file), imported when its case runs."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -1018,6 +1088,15 @@ def summary_of_case(case: str, result: dict[str, Any]) -> str:
         return "\n".join(lines)
     if case == "peers":
         return "\n".join([*lines, peers().gpu_summary(result)])
+    if case == "copy_in":
+        r, med = result["ratios"]["dense_over_sliced"], result["median_s"]
+        lines.append(
+            f"   {result['gradients']} gradients, {result['buffer_bytes'] / 1e6:.1f} MB at "
+            f"{result['world_size_layout']} ranks' layout: dense {med['dense'] * 1e3:.3f} ms, "
+            f"sliced {med['sliced'] * 1e3:.3f} ms, dense / sliced median {r['median']:.3f} "
+            f"(n {r['n']}); same bytes: {result['dense_equals_sliced']}"
+        )
+        return "\n".join(lines)
     if case == "export":
         lines.append(
             f"   {result['call']}: {result['bytes_written'] / 1e9:.2f} GB in "
@@ -1056,7 +1135,10 @@ def summary_of_case(case: str, result: dict[str, Any]) -> str:
                 f"graph breaks {r['graph_breaks_first_step']}"
             )
     for name, s in result["ratios"].items():
-        goal = f"goal {s['goal']}: {'met' if s['within_goal_plus_spread'] else 'MISSED'}"
+        verdict = "met" if s["within_goal_plus_spread"] else "MISSED"
+        if not s["sufficient"]:
+            verdict = f"INSUFFICIENT (n {s['n']} < {MIN_N})"
+        goal = f"goal {s['goal']}: {verdict}"
         lines.append(
             f"   {name:<28} median {s['median']:.3f} (95% {s['ci95_low']:.3f}-"
             f"{s['ci95_high']:.3f}, spread {s['spread']:.3f}, n {s['n']})"
@@ -1065,6 +1147,20 @@ def summary_of_case(case: str, result: dict[str, Any]) -> str:
     if result.get("cut_short"):
         lines.append(f"   cut short: {result['cut_short']}")
     return "\n".join(lines)
+
+
+def hard_stop(seconds: float) -> None:
+    """End the process ``seconds`` from now, whatever it is doing (a case stuck in a kernel or a
+    collective): the budget is a promise to the device's 10-minute command, not a wish. The
+    report on disk holds every case finished before."""
+
+    def stop() -> None:
+        print(f"== hard stop: {seconds:.0f} s passed (--budget-s + --grace-s)", flush=True)
+        os._exit(124)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
 
 
 def write(report: dict[str, Any], out_file: Path | None) -> None:
@@ -1079,7 +1175,12 @@ def write(report: dict[str, Any], out_file: Path | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     add = parser.add_argument
-    add("--out", default=None, help="directory for gpu-results.json (default benchmarks/out/)")
+    add(
+        "--out",
+        default=None,
+        help="directory for gpu-results.json (default: $OUT where set, the device tool's "
+        "folder that comes back; else benchmarks/out/); copy it to docs/gpu-results.json",
+    )
     add("--budget-s", type=float, default=400.0, help="time guard for the whole run (s)")
     add("--cases", default="", help=f"comma-separated subset of {','.join(CASES)}")
     add("--iters", type=int, default=40, help="timed iterations per eager block")
@@ -1120,15 +1221,23 @@ def main() -> None:
         help="world size of the planned collectives recorded beside the observed ones",
     )
     add("--seed", type=int, default=0)
+    add(
+        "--grace-s",
+        type=float,
+        default=45.0,
+        help="the hard stop: the process ends this long after --budget-s, whatever runs "
+        "(the JSON holds every case finished by then)",
+    )
     add("--smoke", action="store_true", help="CPU, gloo, tiny sizes, seconds (CI)")
     args = parser.parse_args()
     budget = Budget(args.budget_s)  # from here: imports and the process group count too
+    hard_stop(args.budget_s + args.grace_s)
     if args.smoke:
         args.__dict__.update(SMOKE, budget_s=min(args.budget_s, 120.0))
     out_dir = args.out or (
         tempfile.mkdtemp(prefix="bench-gpu-smoke-")
         if args.smoke
-        else str(Path(__file__).resolve().parent / "out")
+        else os.environ.get("OUT") or str(Path(__file__).resolve().parent / "out")
     )
     out_file = Path(out_dir) / RESULTS_FILE
 

@@ -31,6 +31,7 @@ RESULTS = ROOT / "docs" / "gpu-results.json"
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 NO_RUN = "no GPU run recorded yet (benchmarks/bench_gpu.py on a GPU machine writes it)"
 
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_gpu's own parts (benchmarks/gpu/)
 _spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
@@ -67,6 +68,11 @@ def result_problems(results: dict[str, Any]) -> list[str]:
             problems.append(f"{case}: ratio {name} missing")
         elif ratio["goal"] != goal:
             problems.append(f"{case}: {name} recorded goal {ratio['goal']}, the script's is {goal}")
+        elif ratio["n"] < bench.MIN_N:
+            problems.append(
+                f"{case}: {name} has {ratio['n']} paired iterations, under {bench.MIN_N}: no "
+                "interval, insufficient"
+            )
         elif not ratio["median"] <= goal + ratio["spread"]:
             problems.append(
                 f"{case}: {name} median {ratio['median']:.3f} > goal {goal} + spread "
@@ -195,6 +201,39 @@ def test_a_ratio_over_its_goal_plus_spread_is_a_problem() -> None:
     ]
     ratio["median"] = 1.035  # over the goal, within its spread: met
     assert result_problems(results) == []
+
+
+def test_fewer_than_six_iterations_is_insufficient_never_met() -> None:
+    """With n < 6 the median's 95% interval is the whole range: a smoke run's 1.157 against a
+    1.03 goal read as met (issue 53)."""
+    results = _made_up()
+    results["cases"]["kept_eager"]["ratios"]["kept_over_uniform"]["n"] = 5
+    assert result_problems(results) == [
+        "kept_eager: kept_over_uniform has 5 paired iterations, under 6: no interval, insufficient"
+    ]
+    stats = bench.ratio_stats([1.157, 1.0, 1.2, 0.9, 1.1], [1.0] * 5, 1.03)
+    assert stats["spread"] > 0.1 and not stats["sufficient"]
+    assert stats["within_goal_plus_spread"] is False and stats["meets_goal"] is False
+    assert bench.ratio_stats([1.0] * 6, [1.0] * 6, 1.03)["within_goal_plus_spread"] is True
+
+
+def test_the_default_model_is_sized_to_an_h100() -> None:
+    """The fit check on the default Qwen3-MoE (about 134 M parameters of embeddings and head,
+    320 M a layer: 2.70 B at 8 layers) against an H100's free memory: a resident pair of 8
+    layers (65 GB of states) does not fit, fewer layers do, and the chosen depth is the most
+    that fits."""
+    fit = importlib.import_module("gpu.fit")
+    free = 79 * 2**30
+
+    def params_at(n: int) -> int:
+        return 134_000_000 + n * 320_000_000
+
+    layers, record = fit.layers_that_fit(params_at, 8, free)
+    assert 0 < layers < 8 and record["layers"] == layers
+    assert record["pair_state_bytes"] <= fit.SHARE * free < record["asked_pair_state_bytes"]
+    bigger, _ = fit.layers_that_fit(params_at, layers + 1, free)
+    assert bigger == layers  # one more layer would not fit
+    assert fit.layers_that_fit(params_at, 8, 2**30)[0] == 0  # nothing fits: 0, never a guess
 
 
 def test_a_missing_case_ratio_or_goal_is_a_problem() -> None:
