@@ -41,7 +41,10 @@ of copies, 12 bytes a parameter, within 60% of it; recorded as ``fit``): fewer l
 5. ``kept_compiled``: case 2's ``uniform``, ``kept`` and ``separate`` with every decoder layer
    ``module.compile()``d after wrapping (inductor; compile time, graph breaks and recompiles
    recorded). Goal for kept / uniform: at most 1.03.
-6. ``peers``: ``benchmarks/bench_peers.py``'s comparison (torch's uniform policy, this library,
+6. ``kept_float8``: case 2's ``uniform`` and ``kept`` with every decoder layer's projections
+   torchao ``Float8Linear`` (float8 all-gathers; the routers left out), without a goal; skipped,
+   with the reason, where torchao does not import or the GPU has no float8 matmuls.
+7. ``peers``: ``benchmarks/bench_peers.py``'s comparison (torch's uniform policy, this library,
    separate fp32 units, torchtitan's router under fp32 autocast) on its Qwen3-MoE, composed from
    that benchmark's own functions: units, collectives, kept dtypes, errors, paired step ratios.
 
@@ -91,7 +94,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -111,9 +114,12 @@ from fsdp_precision.testing import CollectiveRecorder, process_group
 BF16, FP32 = torch.bfloat16, torch.float32
 RESULTS_FILE = "gpu-results.json"
 #: Cases in the order they run; each is recorded in the JSON, run, skipped or failed.
-CASES = ("copy_in", "overhead", "kept_eager", "export", "wan_block", "kept_compiled", "peers")
+CASES = (
+    "copy_in", "overhead", "kept_eager", "export", "wan_block", "kept_compiled", "kept_float8",
+    "peers",
+)  # fmt: skip
 #: Cases that may be recorded as skipped (with the reason) in a complete run.
-OPTIONAL_CASES = ("wan_block",)
+OPTIONAL_CASES = ("wan_block", "kept_float8")
 #: The timed cases: their variants, and the reference of their ratios. Wan has no "separate":
 #: its blocks own ``scale_shift_table`` beside bf16 weights, which separate units cannot express
 #: (the plan refuses it with ParamDtypeMapError).
@@ -122,6 +128,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
     "kept_eager": (("uniform", "kept", "separate", "fp32"), "uniform"),
     "wan_block": (("uniform", "kept"), "uniform"),
     "kept_compiled": (("uniform", "kept", "separate"), "uniform"),
+    "kept_float8": (("uniform", "kept"), "uniform"),
 }
 #: (case, variant, reference) -> goal for variant / reference (None: reported without a goal).
 RATIOS: dict[tuple[str, str, str], float | None] = {
@@ -132,6 +139,7 @@ RATIOS: dict[tuple[str, str, str], float | None] = {
     ("wan_block", "kept", "uniform"): None,
     ("kept_compiled", "kept", "uniform"): 1.03,
     ("kept_compiled", "separate", "uniform"): None,
+    ("kept_float8", "kept", "uniform"): None,
 }
 #: Share of the remaining budget each case gets when it starts (the last takes what is left).
 WEIGHTS = {
@@ -141,6 +149,7 @@ WEIGHTS = {
     "export": 0.5,
     "wan_block": 1.0,
     "kept_compiled": 3.0,
+    "kept_float8": 1.5,
     "peers": 1.0,
 }
 #: ``--smoke``: CPU, gloo, tiny sizes, aot_eager, two iterations, the pairs layout (what the GPU
@@ -1045,6 +1054,10 @@ def run_one(
         except Exception as err:  # noqa: BLE001 - any failure to import is a reason to skip
             return {"status": "skipped", "reason": f"diffusers does not import: {err!r}"}
         work = wan_block(args, device)
+    if case == "kept_float8":
+        work = float8(qwen)
+        if isinstance(work, str):
+            return {"status": "skipped", "reason": work}
     if case == "kept_compiled":
         if budget.left() < args.compile_min_s:
             return {
@@ -1063,6 +1076,30 @@ def run_one(
     )  # fmt: skip
     result["sizes"] = work.sizes
     return result
+
+
+def float8(work: Workload) -> Workload | str:
+    """The workload with every decoder layer's projections torchao ``Float8Linear`` (float8
+    all-gathers, 1 byte an element; the routers left out, as the production recipe does); or
+    why it cannot run here."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as err:  # noqa: BLE001 - absent or broken: a reason to skip
+        return f"torchao.float8 does not import: {err!r}"
+    if cuda() and torch.cuda.get_device_capability() < (8, 9):
+        capability = torch.cuda.get_device_capability()
+        return f"float8 matmuls need compute capability 8.9, this GPU has {capability}"
+
+    def build() -> nn.Module:
+        model = work.build()
+        convert_to_float8_training(
+            model.model.layers,  # type: ignore[arg-type]
+            config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda module, fqn: "mlp.gate" not in fqn,
+        )
+        return model
+
+    return replace(work, name=f"{work.name}, float8 projections", build=build)
 
 
 def gpu_part(name: str) -> Any:
