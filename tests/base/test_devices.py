@@ -112,6 +112,21 @@ def test_a_cuda_mesh_and_an_nccl_backend_use_the_local_rank(simulate: Any) -> No
     assert group_device(object()) == torch.device("cpu")  # a bare gloo-like backend
 
 
+def test_a_bare_nccl_backend_sends_from_this_ranks_gpu(
+    simulate: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``send_weights`` / ``receive_weights`` on a standalone NCCL group (``weight_group``)
+    default to this rank's GPU: they defaulted to CPU tensors, which NCCL refuses."""
+    made_current = simulate(Gpus("cpu:gloo,cuda:nccl"))
+
+    class ProcessGroupNCCL:  # stands in for the class CPU builds do not have
+        pass
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", ProcessGroupNCCL, raising=False)
+    assert group_device(ProcessGroupNCCL()) == torch.device("cuda", 3)
+    assert made_current == [3]
+
+
 def test_no_module_compares_the_backend_with_one_string() -> None:
     """``dist.get_backend() == "nccl"`` is False after ``init_process_group()`` ("undefined")
     and after ``"cpu:gloo,cuda:nccl"``: the wrap built a CPU mesh on an NCCL group."""

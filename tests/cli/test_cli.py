@@ -393,3 +393,21 @@ def test_demo_parity_is_bitwise_where_both_layouts_sum_alike(device, world, bitw
     one = torch.tensor([1.0, 2.0])
     assert _close(one, one * (1 + PARITY_RTOL / 2)) and not _close(one, one * (1 + 2 * PARITY_RTOL))
     assert not _close(one, one.to(torch.bfloat16))  # dtypes still must match
+
+
+@pytest.mark.parametrize(
+    ("env", "cuda", "devices", "nccl"),
+    [
+        ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}, True, 1, False),  # one GPU, two ranks
+        ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, True, 1, False),  # ... the same answer
+        ({"LOCAL_WORLD_SIZE": "8"}, True, 8, True),
+        ({"WORLD_SIZE": "2"}, True, 4, True),
+        ({"LOCAL_WORLD_SIZE": "2"}, False, 0, False),
+    ],
+)
+def test_demo_decides_its_backend_once_for_every_rank(env, cuda, devices, nccl):
+    """Per rank (``LOCAL_RANK < device_count``) a one-GPU machine put rank 0 on NCCL and rank 1
+    on gloo, and the first collective hung (issue 53)."""
+    from fsdp_precision._cli.demo.command import demo_uses_cuda
+
+    assert demo_uses_cuda(env, cuda, devices) is nccl

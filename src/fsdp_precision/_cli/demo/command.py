@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -169,14 +169,20 @@ def _outside_torchrun() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def demo_uses_cuda(env: Mapping[str, str], cuda: bool, devices: int) -> bool:
+    """NCCL on GPUs only where every rank of this node has a GPU of its own (``LOCAL_WORLD_SIZE``,
+    else ``WORLD_SIZE``, ranks): the same answer on every rank of the node."""
+    local_ranks = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    return cuda and devices >= local_ranks
+
+
 @contextmanager
 def _rank_group() -> Iterator[None]:
     """This rank's process group: NCCL where every rank of the node has a GPU of its own, else
     gloo on one thread each. One decision for all ranks: deciding per rank (``LOCAL_RANK <
     device_count``) put rank 0 of two on NCCL and rank 1 on gloo on a one-GPU machine, and the
     first collective hung."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    use_cuda = demo_uses_cuda(os.environ, torch.cuda.is_available(), torch.cuda.device_count())
     if use_cuda:
         # Deterministic kernels (DeepSeek-V3's index_add_, cuBLAS' workspaces), so that the
         # parity with separate units can be bitwise up to 2 ranks; set before CUDA starts.
