@@ -89,7 +89,8 @@ class ModelScopedPolicy(ParamDtypeMixedPrecisionPolicy):
     Frameworks keep the policy in what they serialise (the HF Trainer ``torch.save``s its
     arguments into every checkpoint, ``training_args.bin``; Lightning pickles hyperparameters):
     pickled, it is written as the plain :class:`ParamDtypeMixedPrecisionPolicy` it reads as
-    (dtypes, root-relative map, boundary casts), a record of the run that needs no model to load.
+    (dtypes, root-relative map, boundary casts), a record of the run that needs no model to load
+    (loading it installs the patch, or warns where the torch cannot take it).
     The live object stays in force: a copy (``copy.copy``/``copy.deepcopy``, which frameworks
     make of their arguments) is the policy itself, whose scope tracks what every call resolved.
     """
