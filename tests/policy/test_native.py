@@ -15,11 +15,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import fsdp_precision as fp
 from fsdp_precision import ParamDtypeMixedPrecisionPolicy
 from fsdp_precision._releases import torch_release
 from fsdp_precision.testing import CollectiveRecorder, GatherProbe
 
+from tests.support.harness import unpatched
 from tests.support.models import Block, bf16, fp16, fp32, fp64
 
 pytestmark = [
@@ -189,16 +189,16 @@ def test_negative_controls() -> None:
     with GatherProbe(model) as probe:
         model(torch.randn(2, 16)).float().sum().backward()
     assert probe.seen["gate.weight"].dtype == fp32 and probe.seen["up.weight"].dtype == bf16
-    # Without the patch nothing translates the map: torch ignores it (as on every release).
-    fp.remove_param_dtype_map_patch()
-    try:
+    # Without the patch nothing translates the map: torch ignores it (as on every release; the
+    # library's policy installs the patch when built, so torch alone is the control).
+    del model, probe  # the removal refuses while a wrapped module holds a mapped policy
+    with unpatched():
         plain = Block()
         fully_shard(plain, mp_policy=policy(KEEP))
         with GatherProbe(plain) as probe:
             plain(torch.randn(2, 16))
         assert probe.seen["norm.weight"].dtype == bf16  # the fp32 request was dropped
-    finally:
-        fp.apply_param_dtype_map_patch()
+        del plain, probe
 
 
 def test_map_and_native_override_fn_together_rejected() -> None:
