@@ -1,6 +1,6 @@
 """No policy of the library's applies nowhere (issue 52): a ``ParamDtypeMixedPrecisionPolicy``
 that needs the patch installs it when built or unpickled, refuses to be built on a torch the patch
-cannot run on, and keeps the patch from being removed under it. In a fresh process where nothing
+cannot run on, and a unit built with it stops by name once the patch is removed. In a fresh process where nothing
 applied the patch (one gloo rank, the harness's unpatched kind), the README's first level with its
 ``apply_param_dtype_map_patch()`` line forgotten."""
 
@@ -77,22 +77,25 @@ def case_building_a_mapped_policy_installs_the_patch() -> None:
     assert computed(mapped) == KEPT
 
 
-def case_removal_refused_while_a_policy_needs_the_patch() -> None:
+def case_a_unit_run_after_the_patch_was_removed_stops_by_name() -> None:
     mapped = policy(param_dtype_map=MAP)
     torch.manual_seed(0)
     block = fully_shard(Block(), mp_policy=mapped)
-    del mapped  # the wrapped block still holds it
+    block(torch.randn(2, 8)).float().sum().backward()  # under the patch: runs
+    fp.remove_param_dtype_map_patch()  # torch alone, asked for
+    assert not fp.is_param_dtype_map_patch_applied()
     with pytest.raises(
         fp.PolicyNotAppliedError,
-        match=r"\d ParamDtypeMixedPrecisionPolicy .*"
-        r"param_dtype_map \{'kept.weight': float32, 'kept.bias': float32\}.*"
-        r"compute every parameter in bfloat16\. Delete the wrapped models",
+        match=r"this Block was wrapped by fully_shard with a param_dtype_map \(\{'kept.weight': "
+        r"'float32', 'kept.bias': 'float32'\}\), and remove_param_dtype_map_patch\(\) has since "
+        r"removed the patch .* Call apply_param_dtype_map_patch\(\) before running it",
     ):
-        fp.remove_param_dtype_map_patch()
-    assert fp.is_param_dtype_map_patch_applied()  # refused: nothing removed
-    del block
-    fp.remove_param_dtype_map_patch()  # nothing holds a mapped policy any more
-    assert not fp.is_param_dtype_map_patch_applied()
+        block(torch.randn(2, 8))
+    fp.apply_param_dtype_map_patch()
+    block(torch.randn(2, 8)).float().sum().backward()  # the patch back: runs again
+    plain = fully_shard(Block(), mp_policy=policy())  # no map: torch's path, no check
+    fp.remove_param_dtype_map_patch()
+    plain(torch.randn(2, 8))
 
 
 def case_an_unpickled_policy_installs_the_patch() -> None:

@@ -112,7 +112,7 @@ class PolicyNotAppliedError(FsdpPrecisionError, RuntimeError):
     """A policy would apply nowhere: a model that a ``model_policy`` was built for ran a training
     forward that no ``fully_shard`` call had prepared (a framework skipped FSDP: one process
     without a launcher), raised before the step computes anything; or
-    ``remove_param_dtype_map_patch`` was called while a policy that needs the patch is alive."""
+    a unit built with a ``param_dtype_map`` ran after ``remove_param_dtype_map_patch``."""
 
 
 class UnitUsageError(FsdpPrecisionError, RuntimeError):

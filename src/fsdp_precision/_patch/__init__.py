@@ -19,11 +19,9 @@ import threading
 
 import torch
 
-from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._base.errors import PolicyNotAppliedError
 from fsdp_precision._base.sources import verify_sources
 from fsdp_precision._policy.agree import set_checking
-from fsdp_precision._policy.armed import policies_in_use, register_installer
+from fsdp_precision._policy.armed import register_installer
 from fsdp_precision._releases import ReleaseTraits, release_module
 
 __all__ = [
@@ -75,44 +73,20 @@ def apply_param_dtype_map_patch(*, check_ranks: bool | None = None) -> None:
 def remove_param_dtype_map_patch() -> None:
     """Restore torch's original functions. Idempotent.
 
-    Raises :class:`PolicyNotAppliedError`, and removes nothing, while a policy that needs the
-    patch is alive (one a wrapped module holds included): without the patch, ``fully_shard``
-    would take it as a plain ``MixedPrecisionPolicy``, and a unit built with it would gather its
-    kept parameters in ``param_dtype``. Delete them first.
+    A unit ``fully_shard`` built under the patch with a map then stops its next forward with
+    :class:`PolicyNotAppliedError` (its gathers and reductions are the patch's) until the patch
+    is applied again. Removing the patch is asking for torch alone: a policy with a map built
+    before and passed to ``fully_shard`` after is torch's plain policy (a policy built after
+    installs the patch again).
     """
     global _applied
     with _lock:
         if _applied is None:
             return
-        _refuse_in_use()
         from fsdp_precision._patch import replacements  # lazy: imports torch internals
 
         replacements.uninstall()
         _applied = None
-
-
-def _refuse_in_use() -> None:
-    in_use = policies_in_use()
-    if not in_use:
-        return
-    first = in_use[0]
-    asks = [
-        f"{name} {{{', '.join(f'{k!r}: {show(v)}' for k, v in list(items)[:3])}}}"
-        for name, items, show in (
-            ("param_dtype_map", first.param_dtype_map.items(), dtype_name),
-            ("module_casts", first.module_casts.items(), repr),
-        )
-        if items
-    ] or [f"uncast_inputs {sorted(first.uncast_inputs)}"]
-    compute = dtype_name(first.param_dtype) if first.param_dtype else "their storage dtype"
-    raise PolicyNotAppliedError(
-        f"remove_param_dtype_map_patch: {len(in_use)} ParamDtypeMixedPrecisionPolicy object(s) "
-        f"that need the patch are alive (e.g. one with {' and '.join(asks)}), held by your code "
-        "or by modules fully_shard wrapped with them; without the patch torch would take them "
-        "as plain MixedPrecisionPolicy objects, and their units would compute every parameter "
-        f"in {compute}. Delete the wrapped models and the policies first (del model, policy), "
-        "or keep the patch"
-    )
 
 
 register_installer(apply_param_dtype_map_patch)

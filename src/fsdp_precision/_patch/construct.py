@@ -32,13 +32,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fs
 
 from fsdp_precision._base.dtypes import dtype_name
-from fsdp_precision._base.errors import ParamDtypeMapError, RankMismatchError
+from fsdp_precision._base.errors import (
+    ParamDtypeMapError,
+    PolicyNotAppliedError,
+    RankMismatchError,
+)
 from fsdp_precision._hf.recording import keep_output_recording
 from fsdp_precision._patch import registry
 from fsdp_precision._patch.tags import MAPPED_CALL_ATTR, MAPPED_DTYPE_ATTR, tag_call
 from fsdp_precision._policy.agree import agree, call_record, checking
 from fsdp_precision._policy.casts import install_cast
-from fsdp_precision._policy.diagnose import install_diagnosis, kept_modules
+from fsdp_precision._policy.diagnose import class_name, install_diagnosis, kept_modules
 from fsdp_precision._policy.inputs import install_input_cast
 from fsdp_precision._policy.native import native_policy
 from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
@@ -112,8 +116,39 @@ def init_param_group(
                 setattr(fsdp_param, MAPPED_DTYPE_ATTR, dtype)
     _after_call(mp_policy, resolved, modules)
     take_input_cast(state, modules, mp_policy)
+    if not native:  # the unit's gathers and reductions are the patch's from here on
+        for module in modules:
+            module.register_forward_pre_hook(_NeedsPatch(class_name(module), resolved))
     _log_mapped(modules, resolved, "native override" if native else "mapped")
     return None
+
+
+class _NeedsPatch:
+    """A forward pre-hook on a unit built under the patch with a map: after
+    ``remove_param_dtype_map_patch`` its next forward stops by name instead of running torch's
+    plain precision on a unit that maps parameters (appended after FSDP's pre-forward, as the
+    diagnosis hooks are: torch 2.11's dynamo refuses a prepended hook in a compiled block; so
+    the all-gather has run, alike on every rank, when it raises)."""
+
+    def __init__(self, owner: str, resolved: ResolvedMap) -> None:
+        self.owner = owner
+        self.mapped = {
+            fqns[0]: dtype_name(resolved.by_param[pid])
+            for pid, fqns in list(resolved.fqns.items())
+            if pid in resolved.by_param
+        }
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or registry.is_installed():
+            return
+        shown = dict(list(self.mapped.items())[:3])
+        raise PolicyNotAppliedError(
+            f"this {self.owner} was wrapped by fully_shard with a param_dtype_map ({shown}"
+            f"{', ...' if len(self.mapped) > 3 else ''}), and remove_param_dtype_map_patch() has "
+            "since removed the patch its gathers and reductions need: it would compute its "
+            "mapped parameters in another dtype. Call apply_param_dtype_map_patch() before "
+            "running it, or wrap a fresh model"
+        )
 
 
 def _refuse(

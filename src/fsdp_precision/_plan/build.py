@@ -334,37 +334,26 @@ def _policy_for(
             "PrecisionRules(reduce_dtype=torch.float32)"
         )
     with planning():  # built where the patch cannot run too: the plan's apply() raises
-        return _mapped_policy(rules, cast, mapped, casts, uncast, scope)
-
-
-def _mapped_policy(
-    rules: PrecisionRules,
-    cast: bool,
-    mapped: dict[str, torch.dtype],
-    casts: dict[str, ModuleCast],
-    uncast: frozenset[str],
-    scope: ModelScope | None,
-) -> ParamDtypeMixedPrecisionPolicy:
-    if scope is not None:  # keys for reading: the root-relative names
-        return ModelScopedPolicy(
+        if scope is not None:  # keys for reading: the root-relative names
+            return ModelScopedPolicy(
+                param_dtype=rules.param_dtype,
+                reduce_dtype=rules.reduce_dtype,
+                output_dtype=rules.output_dtype,
+                cast_forward_inputs=cast,
+                param_dtype_map={fqn: dtype for fqn, dtype in scope.entries.values()},
+                module_casts={fqn: c for fqn, c in scope.casts.values()},
+                uncast_inputs=uncast,
+                scope=scope,
+            )
+        return ParamDtypeMixedPrecisionPolicy(
             param_dtype=rules.param_dtype,
             reduce_dtype=rules.reduce_dtype,
             output_dtype=rules.output_dtype,
             cast_forward_inputs=cast,
-            param_dtype_map={fqn: dtype for fqn, dtype in scope.entries.values()},
-            module_casts={fqn: c for fqn, c in scope.casts.values()},
+            param_dtype_map=mapped,
+            module_casts=casts,
             uncast_inputs=uncast,
-            scope=scope,
         )
-    return ParamDtypeMixedPrecisionPolicy(
-        param_dtype=rules.param_dtype,
-        reduce_dtype=rules.reduce_dtype,
-        output_dtype=rules.output_dtype,
-        cast_forward_inputs=cast,
-        param_dtype_map=mapped,
-        module_casts=casts,
-        uncast_inputs=uncast,
-    )
 
 
 def _uncast(

@@ -17,9 +17,11 @@ policy before ``fully_shard`` does is its construction. Hence:
 - **The library's own plans** build policies under :func:`planning`: the patch is installed where
   the torch takes it; where it does not, the plan is still built (to show, to fall back to the
   public-API layout), and its ``apply()`` raises.
-- **The patch is not removed under a live policy**: ``remove_param_dtype_map_patch`` refuses
-  while any policy that needs it is alive (:func:`policies_in_use`), a wrapped module's included,
-  since either would then run as torch's plain policy.
+- **A unit built under the patch stops by name without it**: the construction wrap gives every
+  unit whose gathers and reductions need the patch a forward check (``_patch/construct.py``):
+  after ``remove_param_dtype_map_patch`` its next forward raises ``PolicyNotAppliedError``.
+  Removing the patch is asking for torch alone: a policy built before and passed to
+  ``fully_shard`` after it is torch's plain policy (build it again, which installs the patch).
 
 The installer is registered by :mod:`fsdp_precision._patch` (a layer above this one) when it is
 imported, which importing ``fsdp_precision`` always does.
@@ -28,28 +30,16 @@ imported, which importing ``fsdp_precision`` always does.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 from fsdp_precision._base.errors import PatchIntegrityError, UnsupportedTorchError
 
-__all__ = [
-    "arm",
-    "disarmed",
-    "needs_patch",
-    "planning",
-    "policies_in_use",
-    "register_installer",
-    "unpickled",
-]
+__all__ = ["arm", "disarmed", "needs_patch", "planning", "register_installer", "unpickled"]
 
 _installer: Callable[[], None] | None = None
-#: Every live policy that armed the patch, by id (weak: a policy dies as usual).
-_armed: dict[int, weakref.ref[Any]] = {}
 #: "plan": built by the library's own planning; "pickle": rebuilt from a pickle; "off": torch
 #: alone, for controls (:func:`disarmed`).
 _mode: ContextVar[str] = ContextVar("fsdp_precision_arm_mode", default="")
@@ -72,7 +62,7 @@ def needs_patch(policy: Any) -> bool:
 
 
 def arm(policy: Any) -> None:
-    """Install the patch for a newly built ``policy`` that needs it, and track the policy."""
+    """Install the patch for a newly built ``policy`` that needs it."""
     if not needs_patch(policy) or _mode.get() == "off":
         return
     assert _installer is not None, "fsdp_precision._patch registers the installer on import"
@@ -92,12 +82,6 @@ def arm(policy: Any) -> None:
             )
             return
         raise
-    key = id(policy)
-
-    def forget(_: weakref.ref[Any]) -> None:
-        _armed.pop(key, None)
-
-    _armed[key] = weakref.ref(policy, forget)
 
 
 @contextlib.contextmanager
@@ -130,11 +114,3 @@ def unpickled(cls: type[Any], fields: dict[str, Any]) -> Any:
         return cls(**fields)
     with _in_mode("pickle"):
         return cls(**fields)
-
-
-def policies_in_use() -> list[Any]:
-    """The live policies that armed the patch, after a garbage collection where there are any
-    (wrapped modules hold theirs in reference cycles)."""
-    if _armed:
-        gc.collect()
-    return [p for p in (ref() for ref in list(_armed.values())) if p is not None]
