@@ -117,7 +117,13 @@ def test_advice_threshold_moves_what_the_plan_keeps(
     assert kept[0.0] > kept[1.0], kept
     assert main(["plan", str(saved), "--advice", "measured", "--advice-threshold", "0", "--no-trace"]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert re.search(r"kept +\d+ params  \*\.mlp\.gate\.weight\n.*experts change for", text), text
+    # The text says what the JSON decided: the routers' measured line either way, "kept" for
+    # them exactly when their measured effect reached the threshold. On random inputs a tiny
+    # model's router effect sits near zero (-3% on this machine on 2026-12-07): asserting
+    # "kept" failed wherever it came out negative.
+    assert "experts change for" in text, text
+    gates = any(p.endswith("mlp.gate.weight") for p in kept[0.0])
+    assert bool(re.search(r"kept +\d+ params  \*\.mlp\.gate\.weight\n", text)) == gates, text
 
 
 @pytest.mark.fast
