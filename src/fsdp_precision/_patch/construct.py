@@ -139,7 +139,7 @@ class _NeedsPatch:
         }
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or registry.is_installed():
+        if torch.compiler.is_compiling() or registry.is_applied():
             return
         shown = dict(list(self.mapped.items())[:3])
         raise PolicyNotAppliedError(

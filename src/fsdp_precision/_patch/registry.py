@@ -16,6 +16,7 @@ __all__ = [
     "Replacement",
     "compiled_autograd_enabled",
     "install",
+    "is_applied",
     "is_installed",
     "original",
     "traits",
@@ -77,6 +78,12 @@ def uninstall() -> None:
 def is_installed() -> bool:
     """Whether :func:`install` has run, :func:`uninstall` has not, and every swap is in place."""
     return _registry.is_installed()
+
+
+def is_applied() -> bool:
+    """Whether :func:`install` has run and :func:`uninstall` has not (a replacement swapped back
+    by hand, as the negative controls do, still counts)."""
+    return bool(_registry.originals)
 
 
 def original(owner: Any, name: str) -> Any:
