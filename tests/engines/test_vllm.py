@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -298,8 +299,12 @@ def test_without_the_record_vllm_loads_exactly_as_without_the_library(unrecorded
 def test_negative_control_stock_vllm_rounds_the_kept_routers(qwen: Path) -> None:
     stock = in_a_process("served", str(qwen), plugin=False)
     assert stock["class"] == "vllm.model_executor.models.qwen3_moe"
-    for problem in stock["read_back"].values():
-        assert "computes its module's output in bfloat16" in problem
+    problems = stock["read_back"]
+    assert len(problems) == 2  # both routers, each rounded: held in bf16 where vLLM's CPU build
+    # leaves the weight readable, computing in bf16 where it prepacks it (by the CPU's ISA)
+    for problem in problems.values():
+        assert problem is not None
+        assert re.search(r"(holds it|computes its module's output) in bfloat16", problem), problem
 
 
 def test_an_update_the_engine_would_round_is_refused_before_anything_loads(
