@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -19,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fsdp_precision._advise.advice import PrecisionAdvice
 from fsdp_precision._advise.usage import param_usage
 from fsdp_precision._base.devices import rank_device
+from fsdp_precision._edges.checkpoint.state import load_model_state_dict
 from fsdp_precision._plan.compile import compile_param_dtype_maps
 from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.units import choose_units
@@ -189,11 +189,9 @@ def _fill_from_rank0(
     model: nn.Module, state_dict: Mapping[str, torch.Tensor], device: torch.device, offload: bool
 ) -> None:
     model.to_empty(device="cpu" if offload else device)
-    set_model_state_dict(
-        model,
-        dict(state_dict),
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
+    # Validated on rank 0, each tensor cast to the dtype its shard holds (a kept tied weight,
+    # an fp32 buffer of a bf16 model), the module versions (_metadata) on every rank.
+    load_model_state_dict(model, state_dict, "full")
 
 
 def make_grad_scaler(config: DistributedConfig, **kwargs: Any) -> Any:

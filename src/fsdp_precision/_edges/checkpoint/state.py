@@ -132,9 +132,8 @@ def load_model_state_dict(
     An incoming tensor whose dtype differs from the destination parameter's is cast to the
     destination dtype in a copy: the model keeps its dtypes, the caller's dict is not modified.
     The state dict's ``_metadata`` (each module's version, by which its ``_load_from_state_dict``
-    migrates older layouts) reaches the modules in a sharded load and in one process; a full
-    load across ranks goes through DCP's broadcast, which rebuilds the state dict on the other
-    ranks without it, so there no rank gets it (rather than rank 0 alone).
+    migrates older layouts) reaches the modules on every rank: in a full load across ranks,
+    rank 0's is broadcast with its validation (module versions: a few bytes per module).
 
     Built on :func:`torch.distributed.checkpoint.state_dict.set_model_state_dict`.
     """
@@ -143,22 +142,25 @@ def load_model_state_dict(
     destination = _template(model)
     reads_input = kind == "sharded" or rank == 0
     error: BaseException | None = None
+    # The modules' versions, which their _load_from_state_dict migrates old layouts by.
+    metadata = getattr(state_dict, "_metadata", None) if reads_input else None
     if reads_input:
         error = _validate(destination, state_dict, kind)
     if kind == "full":
-        error = from_rank0(error)
+        error, metadata = from_rank0((error, metadata if error is None else None))
         if error is not None:
             raise error
     else:
         raise_collectively(error)
 
-    # The modules' versions, which their _load_from_state_dict migrates old layouts by. DCP's
-    # broadcast of a full state dict rebuilds it on the other ranks without them, so there
-    # they would reach rank 0 alone: kept where every rank loads its own dict.
-    metadata = getattr(state_dict, "_metadata", None)
     prepared: dict[str, Any] = OrderedDict()
-    if metadata is not None and (kind == "sharded" or rank_world()[1] == 1):
+    if metadata is not None:
         prepared._metadata = copy.copy(metadata)  # type: ignore[attr-defined]
+    if not reads_input and metadata is not None:
+        # DCP's broadcast fills this rank's dict in place and loads it, unless the dict is
+        # empty: then it loads a new one, without the versions. Every key this rank holds,
+        # each replaced by what rank 0 sends (strict: the keys are rank 0's, validated).
+        prepared.update(destination)
     if reads_input:
         for key, value in state_dict.items():
             dest = destination.get(key)
