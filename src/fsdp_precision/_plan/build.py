@@ -7,6 +7,7 @@ parameter from the same rules.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from fsdp_precision._plan.casts import activation_dtype, local_casts, module_cas
 from fsdp_precision._plan.claims import Claimed, fqns_by_param
 from fsdp_precision._plan.quantized import gather_format
 from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+from fsdp_precision._plan.tops import forward_runs
 from fsdp_precision._policy.armed import planning
 from fsdp_precision._policy.casts import ModuleCast
 from fsdp_precision._policy.inputs import accepted
@@ -176,7 +178,14 @@ def _unit(
     casts: dict[str, ModuleCast] = {}
     if spec.policy is None:  # a separate-units layout's units cast by their own policies
         compute_of = {pid: p.compute for pid, p in zip(planned_ids, params, strict=True)}
-        casts = module_casts(spec.modules, compute_of, claimed, activation, module_names)
+        casts = module_casts(
+            spec.modules,
+            compute_of,
+            claimed,
+            activation,
+            module_names,
+            runs=functools.partial(forward_runs, model),
+        )
     # A grouped call broadcasts each key to every member that has the name: where one key
     # names parameters of two dtypes, or a cast's name reaches other members, the call's
     # policy resolves by slot (as model_policy's does) instead of by key.

@@ -15,7 +15,7 @@ before its kept embedder's first linear). A unit kept whole gets none: FSDP cast
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,11 +50,15 @@ def module_casts(
     claimed: Claimed,
     activation: torch.dtype | None,
     names: Mapping[int, str],
+    runs: Callable[[str], bool] = lambda name: True,
 ) -> dict[str, ModuleCast]:
     """Root-relative module FQN (``names``: ``id(module) -> FQN``) -> cast, for one call of
     ``members`` computing the parameters it manages (by ``id``) as ``compute`` says, with
-    activations in ``activation``. Raises :class:`ParamDtypeMapError` where the user rules that
-    claimed one module's parameters ask for different boundaries."""
+    activations in ``activation``. ``runs(FQN)``: whether a module with children holding the
+    kept parameters runs its own forward around their uses (a parent may call the children
+    itself); where it does not, its children get the casts. Raises
+    :class:`ParamDtypeMapError` where the user rules that claimed one module's parameters ask
+    for different boundaries."""
     casts: dict[str, ModuleCast] = {}
     if activation is None:
         return casts
@@ -76,6 +80,9 @@ def module_casts(
             dtypes = {compute[id(p)] for p in params}
             if len(dtypes) != 1 or activation in dtypes:
                 continue
+            nested = any(p.dim() > 0 for c in module.children() for p in c.parameters())
+            if nested and not runs(names[id(module)]):
+                continue  # a parent calls its children itself: they cast
             boundary = _boundary(names[id(module)], params, claimed)
             back = returns_activations(module)
             cast = cast_for(boundary, dtypes.pop(), params, activation, returns_activations=back)

@@ -28,6 +28,7 @@ from fsdp_precision._plan.plan import PrecisionPlan
 from fsdp_precision._plan.records import PlannedParam
 from fsdp_precision._plan.replicated import replicated_params
 from fsdp_precision._plan.separate import separate_units_plan
+from fsdp_precision._plan.tops import remember_inputs
 from fsdp_precision._plan.units import default_units
 from fsdp_precision._releases.status import patch_status
 from fsdp_precision._rules.rules import PrecisionRules, rule_label
@@ -116,6 +117,8 @@ def compile_param_dtype_maps(
         dtype = rules.param_dtype or torch.bfloat16
         found = advise(model, example_inputs, measure=measured, dtype=dtype)
     threshold = rules.advice_threshold if measured else None
+    batches = example_inputs if measured and isinstance(example_inputs, list) else None
+    remember_inputs(model, batches[0] if batches else example_inputs)  # for the topmost rule
     advised = advised_rules(found, threshold=threshold) if found is not None and applied else ()
     claimed, claims = claim_params(model, rules, decls, fqns_of, advised)
     upcasts = planned_upcasts(model, claimed, fqns_of)

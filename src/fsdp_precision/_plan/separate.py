@@ -24,6 +24,7 @@ from fsdp_precision._plan.build import UnitSpec, build_units
 from fsdp_precision._plan.casts import activation_dtype
 from fsdp_precision._plan.claims import Claimed
 from fsdp_precision._plan.data import PlanData
+from fsdp_precision._plan.tops import topmost_owners
 from fsdp_precision._plan.units import CONTAINERS
 from fsdp_precision._plan.upcast import upcast_storage
 
@@ -139,6 +140,9 @@ def separate_layout(plan: PlanData) -> tuple[SeparateUnit, ...]:
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     unit_names = [tuple(module_names[id(m)] for m in u.modules) for u in plan.units]
     members = {n for names in unit_names for n in names}
+    # verl's topmost rule: one unit per kept subtree, at its top, where that forward runs.
+    held = {f: kept.get(f) for f in by_name}
+    owners = topmost_owners(model, owners, held, frozenset(casts) | members)
     extra = sorted((m for m in owners if m not in members), key=lambda n: -n.count("."))
     layout = [SeparateUnit((m,), policy_of([m], owners[m], None), kept=True) for m in extra]
     for unit, names in zip(plan.units, unit_names, strict=True):
