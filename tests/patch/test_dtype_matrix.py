@@ -1,4 +1,5 @@
-"""FSDP 1x4 and HSDP 2x2: prime dim-0 sizes across the whole mappable dtype matrix.
+"""FSDP 1x4 and HSDP 2x2: prime dim-0 sizes across the whole mappable dtype matrix, and the
+seed's adversarial case as one case (M38 in ``docs/seeds.md``).
 
 Values are dyadic (k/8), exact in every mapped dtype, and identical on every rank, so the
 expected all-gathered parameters and reduced gradients are known exactly.
@@ -12,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import fsdp_precision as fp
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
 from fsdp_precision.testing import CollectiveRecorder
 
@@ -116,6 +118,86 @@ def case_fsdp_1x4_dtype_matrix_prime_dims() -> None:
 
 def case_hsdp_2x2_dtype_matrix_prime_dims() -> None:
     run_matrix((2, 2))
+
+
+class Adversarial(Probes):
+    """:class:`Probes` plus one parameter shared by two modules (``left`` and ``right``), all
+    of them members of one grouped ``fully_shard`` call."""
+
+    def __init__(self, storages: list[torch.dtype]) -> None:
+        super().__init__(storages)
+        self.left = Probe(SHARED, len(DIMS) + 1, fp32)
+        self.right = Probe(SHARED, len(DIMS) + 2, fp32)
+        self.right.w = self.left.w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.left(x) + self.right(x)
+
+
+#: The shared parameter's prime dim 0.
+SHARED = 11
+
+
+def case_the_adversarial_case_in_one_grouped_call_under_hsdp_2x2() -> None:
+    """The seed's one adversarial case, whole: a parameter shared across two modules of one
+    grouped call (kept fp32 beside the others), HSDP 2x2, prime dim-0 sizes, every mappable
+    dtype on the other members in turn, ignored non-floating parameters; one model-scoped
+    policy on both calls. (The shared parameter stays fp32: its two gradients are summed by
+    autograd in the gathered dtype, and torch has no float8 addition.)"""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    matrix = list(MAPPABLE_DTYPES)
+    for offset in range(len(matrix)):
+        mapped = [matrix[(offset + j) % len(matrix)] for j in range(len(DIMS))]
+        model = Adversarial([fp32] * len(DIMS) + [bf16])
+        ignored = {model.ints, model.flags, model.phase}
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if p in ignored}
+        rules = fp.PrecisionRules(
+            param_dtype=bf16,
+            reduce_dtype=fp32,
+            rules=(
+                *(fp.Glob(f"probes.{j}.w", dtype=d, boundary="none") for j, d in enumerate(mapped)),
+                fp.Glob("left.w", boundary="none"),
+            ),
+            hf_keep_in_fp32=False,
+            advice="off",
+        )
+        policy = fp.model_policy(model, rules)
+        group = [*model.probes, model.left, model.right]
+        fully_shard(group, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        with CollectiveRecorder() as rec:
+            model(torch.ones(COLS)).backward()
+        label = f"offset {offset}"
+        computes = [*mapped, bf16, fp32, fp32]
+        probes = [*model.probes, model.left, model.right]
+        sizes = [*DIMS, 7, SHARED, SHARED]
+        salts = [*range(len(DIMS) + 2), len(DIMS) + 1]  # right holds left's parameter
+        for j, (probe, dtype, n) in enumerate(zip(probes, computes, sizes, strict=True)):
+            full = pattern(n, salts[j])
+            assert probe.gathered.dtype == dtype, (label, j, probe.gathered.dtype)
+            assert torch.equal(probe.gathered.to(fp32), full.to(dtype).to(fp32)), (label, j)
+        for j, probe in enumerate(model.probes):  # the mean of equal gradients: exact
+            expected = pattern(sizes[j], j + 3).to(computes[j]).to(fp32)
+            grad = probe.w.grad.full_tensor().to(fp32)
+            assert torch.equal(grad, expected.to(probe.w.dtype).to(fp32)), (label, j)
+        shared = pattern(SHARED, len(DIMS) + 4) + pattern(SHARED, len(DIMS) + 5)
+        assert model.right.w is model.left.w
+        assert model.left.w.grad.dtype == fp32
+        assert torch.equal(model.left.w.grad.full_tensor(), shared), label  # both uses
+        for name, value in frozen.items():
+            assert torch.equal(getattr(model, name), value), (label, name)
+        # One all-gather per unshard of the group (forward, backward), the shared parameter
+        # once, in its dtype; the root manages nothing floating.
+        gathers = rec.of("all_gather")
+        assert len(gathers) == 2, (label, gathers)
+        padded = [-(-n // 2) * 2 * COLS for n in sizes[:-1]]
+        expected_bytes = sum(p * d.itemsize for p, d in zip(padded, computes[:-1], strict=True))
+        for gather in gathers:
+            assert gather.output_bytes == expected_bytes, (label, gather, expected_bytes)
+        (rs,) = rec.of("reduce_scatter")
+        assert rs.dtype == fp32 and rs.input_bytes == sum(padded) * 4, (label, rs)
+        assert len(rec.of("all_reduce")) == 1, label  # across the replicas
+        dist.barrier()
 
 
 CASES = collect_cases(globals())
