@@ -78,7 +78,11 @@ def compile_param_dtype_maps(
     without them it runs on the model's ``dummy_inputs``, here with ``advice="apply"`` or
     ``"measured"``, else when :attr:`PrecisionPlan.advice` is first read. With
     ``advice="measured"`` the inputs may be a list of batches, the calibration data the
-    measurement runs on (:func:`advise` with ``measure=True``). ``unknown_torch="public_api"``:
+    measurement runs on (:func:`advise` with ``measure=True``). The same inputs (or the
+    ``dummy_inputs``) tell, where a module's children hold kept parameters, whether that
+    module's own forward runs around their uses: its boundary cast and, in the separate-units
+    layout, its unit go there only if it does (traced once, when first needed).
+    ``unknown_torch="public_api"``:
     where the patch cannot run on the installed torch (:data:`UNKNOWN_TORCH`), plan the
     separate-units layout instead, and say so (``plan.fallback``, a warning with the extra
     collectives).
