@@ -15,7 +15,8 @@ precision rules), then two AdamW steps with a ``GatherProbe`` active. A case pas
 
 Thresholds are relative to each model's size: 0 (every module that can be a unit), 3% and 25% of
 its parameters (different unit layouts for every model of the table) and the default 10_000_000
-(the root only, for these tiny models).
+(the root only, for these tiny models). 0 and 25% run by default, 3% and the default in the
+opt-in tier (``tests/train/test_screen_more.py``, ``-m slow``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ from tests.support.screen_models import (
 )
 
 #: Threshold label -> fraction of the model's parameter count (``None``: the config's default).
-THRESHOLDS: dict[str, float | None] = {"t0": 0.0, "t3pct": 0.03, "t25pct": 0.25, "default": None}
+#: The default tier runs every architecture at 0 (every module that can be a unit) and 25%;
+#: ``tests/train/test_screen_more.py`` (``-m slow``) at 3% and the default.
+THRESHOLDS: dict[str, float | None] = {"t0": 0.0, "t25pct": 0.25}
+MORE_THRESHOLDS: dict[str, float | None] = {"t3pct": 0.03, "default": None}
 LOSS_RTOL = 0.05  # bf16 compute against fp32, first step
 
 
@@ -135,9 +139,14 @@ def _case(arch: ScreenArch, fraction: float | None) -> Callable[[], None]:
     return case
 
 
-for _arch in ARCHS.values():
-    for _label, _fraction in THRESHOLDS.items():
-        globals()[f"case_{_arch.name}_{_label}"] = _case(_arch, _fraction)
+def screen_cases(module_globals: dict[str, object], thresholds: dict[str, float | None]) -> None:
+    """One ``case_<arch>_<threshold>`` per architecture and threshold, into a module's globals."""
+    for arch in ARCHS.values():
+        for label, fraction in thresholds.items():
+            module_globals[f"case_{arch.name}_{label}"] = _case(arch, fraction)
+
+
+screen_cases(globals(), THRESHOLDS)
 
 CASES = collect_cases(globals())
 
