@@ -6,9 +6,10 @@ makes ``.venv-vllm``); elsewhere it skips, saying so. The engine runs in this pr
 update, run in processes of their own. The library reaches vLLM only through its plugin entry
 point, which vLLM loads itself.
 
-"Kept" is checked by what the engine computes where a kernel hides the weight (vLLM's CPU build
-prepacks a router's weight into a oneDNN handle): each router's output on a probe against the
-kept fp32 weight's, which a weight rounded to bf16 misses by about 1e-3 of the output's scale.
+"Kept" is checked by what the engine holds where the weight is readable, and by what it computes
+where a kernel hides it (vLLM's CPU build prepacks a linear layer's weight into a oneDNN handle
+on CPUs whose ISA it packs for): each router's output on a probe against the kept fp32 weight's,
+which a weight rounded to bf16 misses by about 1e-3 of the output's scale.
 The negative controls run vLLM without the plugin (``VLLM_PLUGINS``), in a process of its own.
 """
 
