@@ -178,14 +178,8 @@ def _unit(
     casts: dict[str, ModuleCast] = {}
     if spec.policy is None:  # a separate-units layout's units cast by their own policies
         compute_of = {pid: p.compute for pid, p in zip(planned_ids, params, strict=True)}
-        casts = module_casts(
-            spec.modules,
-            compute_of,
-            claimed,
-            activation,
-            module_names,
-            runs=functools.partial(forward_runs, model),
-        )
+        runs = functools.partial(forward_runs, model)  # where a parent calls its children
+        casts = module_casts(spec.modules, compute_of, claimed, activation, module_names, runs)
     # A grouped call broadcasts each key to every member that has the name: where one key
     # names parameters of two dtypes, or a cast's name reaches other members, the call's
     # policy resolves by slot (as model_policy's does) instead of by key.
