@@ -53,6 +53,32 @@ def reference_step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     optim.step()
 
 
+def side_by_side(
+    ref_model: nn.Module,
+    ref_optim: torch.optim.Optimizer,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    batches: list[torch.Tensor],
+    *,
+    sharded_parity: bool = False,
+) -> list[torch.Tensor]:
+    """Upstream's loop: each batch through the reference, then the sharded model (gradients
+    set to ``None`` every other step), losses compared; the sharded model's losses."""
+    losses = []
+    for it, inp in enumerate(batches):
+        pair = []
+        for m, o in ((ref_model, ref_optim), (model, optim)):
+            o.zero_grad(set_to_none=(it % 2 == 0))
+            pair.append(m(inp).sum())
+            pair[-1].backward()
+            reference_step(m, o) if m is ref_model else o.step()
+        torch.testing.assert_close(pair[1], pair[0])
+        if sharded_parity:
+            check_sharded_parity(ref_model, model)
+        losses.append(pair[1])
+    return losses
+
+
 @contextmanager
 def counting_post_backward() -> Iterator[list[int]]:
     """How often FSDP's post-backward ran through autograd (upstream's
@@ -92,19 +118,12 @@ def _per_group(kind: str, reshard: Reshard, checkpointed: bool, freeze_after_ini
             if "bias" not in name:
                 param.requires_grad_(False)
     trainable = sum(p.to_local().numel() for n, p in model[0].named_parameters() if "bias" in n)
-    losses = []
     with CollectiveRecorder() as recorder:
-        for it, inp in enumerate(inputs(43 + dist.get_rank(), (8, dim), 2)):
-            for m, o in ((ref_model, ref_optim), (model, optim)):
-                o.zero_grad(set_to_none=(it % 2 == 0))
-                losses.append(m(inp).sum())
-                losses[-1].backward()
-                reference_step(m, o) if m is ref_model else o.step()
-            torch.testing.assert_close(losses[-1], losses[-2])
-            check_sharded_parity(ref_model, model)
+        batches = inputs(43 + dist.get_rank(), (8, dim), 2)
+        losses = side_by_side(ref_model, ref_optim, model, optim, batches, sharded_parity=True)
     for call in recorder.of("reduce_scatter"):  # only the trainable shards are reduced
         assert call.input_bytes == trainable * call.group_size * 4, (call.input_bytes, trainable)
-    return state_digest(model, losses[1::2], recorder)
+    return state_digest(model, losses, recorder)
 
 
 def _across_groups(kind: str, reshard: Reshard, unfreeze: bool) -> str:
@@ -180,15 +199,10 @@ def _multi_forward(kind: str, reshard: Reshard) -> str:
             )
     fully_shard(model, reshard_after_forward=reshard, mp_policy=policy(kind, model, model))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for it, inp in enumerate(inputs(42 + dist.get_rank(), (8, 5), 2)):
-        for m, o in ((ref_model, ref_optim), (model, optim)):
-            o.zero_grad(set_to_none=(it % 2 == 0))
-            losses.append(m(inp).sum())
-            losses[-1].backward()
-            reference_step(m, o) if m is ref_model else o.step()
-        torch.testing.assert_close(losses[-1], losses[-2])
-    return state_digest(model, losses[1::2])
+    losses = side_by_side(
+        ref_model, ref_optim, model, optim, inputs(42 + dist.get_rank(), (8, 5), 2)
+    )
+    return state_digest(model, losses)
 
 
 def _grid(fn: Callable[..., str], **axes: list[Any]) -> dict[str, str]:

@@ -16,10 +16,11 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_precision as fp
 from fsdp_precision import MAPPABLE_DTYPES, ParamDtypeMixedPrecisionPolicy
-from fsdp_precision.testing import CollectiveRecorder, GatherProbe
+from fsdp_precision.testing import CollectiveRecorder
 
+from tests.patch.test_parity import grouped_layernorms
 from tests.support.harness import collect_cases, distributed_suite
-from tests.support.models import FP32_CHILD, STD, bf16, clones, fp32, net, train_in_lockstep
+from tests.support.models import bf16, fp32
 
 DIMS = (7, 97, 101, 103)
 
@@ -201,36 +202,19 @@ def case_the_adversarial_case_in_one_grouped_call_under_hsdp_2x2() -> None:
         dist.barrier()
 
 
-def grouped_layernorms(mesh_shape: tuple[int, ...]) -> None:
-    """``fully_shard([block0.norm, block1.norm])`` (the key "weight" reaching both LayerNorms)
-    against a unit per norm, trained 3 steps in lockstep: bitwise (M31 in ``docs/seeds.md``)."""
+def on_four_ranks(mesh_shape: tuple[int, ...]) -> None:
+    """``test_parity``'s grouped-LayerNorm parity on a mesh of 4 ranks (M31 in
+    ``docs/seeds.md``)."""
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    ref, ours = clones(net(), 2)
-    for block in ref.blocks:
-        fully_shard(block.norm, mesh=mesh, mp_policy=FP32_CHILD)
-    policy = ParamDtypeMixedPrecisionPolicy(
-        param_dtype=bf16, reduce_dtype=fp32, param_dtype_map={"weight": fp32, "bias": fp32}
-    )
-    fully_shard([block.norm for block in ours.blocks], mesh=mesh, mp_policy=policy)
-    for model in (ref, ours):
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=STD)
-        fully_shard(model, mesh=mesh, mp_policy=STD)
-    with GatherProbe(ours) as probe:
-        train_in_lockstep([ref, ours], steps=3)
-    for i in range(2):
-        for leaf in ("weight", "bias"):
-            assert probe.seen[f"blocks.{i}.norm.{leaf}"].dtype == fp32
-    assert probe.seen["blocks.0.up.weight"].dtype == bf16
+    grouped_layernorms(mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
 
 
 def case_grouped_layernorms_hsdp_2x2() -> None:
-    grouped_layernorms((2, 2))
+    on_four_ranks((2, 2))
 
 
 def case_grouped_layernorms_fsdp_1x4() -> None:
-    grouped_layernorms((4,))
+    on_four_ranks((4,))
 
 
 CASES = collect_cases(globals())

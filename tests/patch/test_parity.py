@@ -5,6 +5,8 @@ Every case runs on every rank of one spawned process group; see ``_harness``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,23 +150,29 @@ def case_mixed_storage_in_one_unit() -> None:
         assert param.grad.dtype == param.dtype, name
 
 
-def case_grouped_layernorms() -> None:
-    """fully_shard([block0.norm, block1.norm]) with key "weight" reaching both LayerNorms."""
+def grouped_layernorms(**mesh: Any) -> None:
+    """fully_shard([block0.norm, block1.norm]) with key "weight" reaching both LayerNorms,
+    trained 3 steps in lockstep with a unit per norm: bitwise. ``mesh``: ``mesh=`` for every
+    call (4 ranks: ``tests/patch/test_dtype_matrix.py``)."""
     ref, ours = clones(net(), 2)
     for block in ref.blocks:
-        fully_shard(block.norm, mp_policy=FP32_CHILD)
+        fully_shard(block.norm, mp_policy=FP32_CHILD, **mesh)
     norms = [block.norm for block in ours.blocks]
-    fully_shard(norms, mp_policy=mapped(("weight", "bias")))
+    fully_shard(norms, mp_policy=mapped(("weight", "bias")), **mesh)
     for model in (ref, ours):
         for block in model.blocks:
-            fully_shard(block, mp_policy=STD)
-        fully_shard(model, mp_policy=STD)
+            fully_shard(block, mp_policy=STD, **mesh)
+        fully_shard(model, mp_policy=STD, **mesh)
     with GatherProbe(ours) as probe:
         train_in_lockstep([ref, ours], steps=3)
     for i in range(2):
         for leaf in ("weight", "bias"):
             assert probe.seen[f"blocks.{i}.norm.{leaf}"].dtype == fp32
     assert probe.seen["blocks.0.up.weight"].dtype == bf16
+
+
+def case_grouped_layernorms() -> None:
+    grouped_layernorms()
 
 
 class Primes(nn.Module):
