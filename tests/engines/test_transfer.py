@@ -20,7 +20,14 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_precision import Glob, PrecisionRules, full_weights, model_policy
 from fsdp_precision._base.dist import free_port
-from fsdp_precision._engines.transfer import ALIGN, WireMeta, _layout
+from fsdp_precision._engines.transfer import (
+    ALIGN,
+    WireMeta,
+    _layout,
+    receive_tensors,
+    send_tensors,
+    wire_metas,
+)
 from fsdp_precision.integrations import receive_weights, send_weights, weight_group
 
 from tests.support.harness import collect_cases, distributed_suite
@@ -137,6 +144,30 @@ def case_a_header_that_is_not_the_library_s_is_refused() -> None:
             receive_weights(pair, src=0)
 
 
+def case_the_metadata_from_elsewhere_then_the_tensors_alone() -> None:
+    """vLLM's RL API carries the metadata in its own request: only the buckets travel here."""
+    pair = dist.new_group([0, ENGINE])
+    model, reference = trainer_model()
+    expected = full_weights(reference)
+    names = [m.name for m in expected.metadata]
+    dtypes = ["float32" if n in GATES else "bfloat16" for n in names]
+    metas = wire_metas(names, dtypes, [list(m.shape) for m in expected.metadata])
+    if model is not None:
+        stream = full_weights(model, ranks="rank0")
+        if dist.get_rank() == 0:
+            counting = Counting(pair)
+            send_tensors(metas, stream, counting, src=0, bucket_bytes=4096)
+            assert counting.calls == len(_layout(metas, 4096))  # no header: buckets only
+        else:
+            stream.drain()
+        return
+    received = list(receive_tensors(metas, pair, src=0, bucket_bytes=4096))
+    assert [n for n, _ in received] == names
+    for (name, tensor), (_, want) in zip(received, expected, strict=True):
+        assert tensor.dtype == (fp32 if name in GATES else bf16), name
+        assert torch.equal(tensor, want.to(tensor.dtype)), name
+
+
 CASES = collect_cases(globals())
 
 results, test_transfer = distributed_suite(3, __name__, CASES)
@@ -179,3 +210,29 @@ def test_a_bucket_smaller_than_the_alignment_is_refused_before_anything_is_sent(
 
     with pytest.raises(ValueError, match=r"bucket_bytes=8; pass at least 16"):
         send_weights(Nothing(), group=None, bucket_bytes=8)
+
+
+@pytest.mark.fast
+def test_metadata_from_an_engine_s_request_is_checked_entry_by_entry() -> None:
+    assert wire_metas(["a", "b"], ["float32", "torch.bfloat16"], [[2, 3], []]) == [
+        WireMeta("a", fp32, (2, 3), None),
+        WireMeta("b", bf16, (), None),
+    ]
+    with pytest.raises(ValueError, match=r"have 2, 1, 2 and 2 entries; pass one entry per tensor"):
+        wire_metas(["a", "b"], ["float32"], [[1], [1]])
+    with pytest.raises(ValueError, match=r"b: dtype 'complex64', shape \[1\]; pass a dtype among"):
+        wire_metas(["a", "b"], ["float32", "complex64"], [[1], [1]])
+
+
+@pytest.mark.fast
+def test_a_source_that_disagrees_with_its_metadata_is_refused_before_its_bucket_is_sent() -> None:
+    metas = [WireMeta("gate", fp32, (2,), "kept"), WireMeta("w", bf16, (3,), None)]
+    narrowed = [("gate", torch.zeros(2, dtype=bf16)), ("w", torch.zeros(3, dtype=bf16))]
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 0: the source yielded 'gate' bfloat16 \(2,\), its metadata announced "
+        r"'gate' float32 \(2,\)",
+    ):
+        send_tensors(metas, narrowed, group=None)  # no broadcast reached: the group is None
+    with pytest.raises(ValueError, match=r"the source stopped after 1 tensors; its metadata"):
+        send_tensors(metas, [("gate", torch.zeros(2))], group=None)

@@ -14,12 +14,17 @@ The group is any process group holding the sender and the receivers: one registe
 ``torch.distributed`` (``new_group``) or a standalone backend (:func:`weight_group`, a TCP store
 of its own, for an engine that is not part of the trainer's world). Collectives go through the
 group's own ``broadcast`` method, which both have; ``src`` is a rank within the group.
+
+The metadata can also travel another way: an engine's own control plane (vLLM's RL API sends
+``names``, ``dtype_names``, ``shapes`` in its update request). :func:`wire_metas` reads those
+lists, :func:`send_tensors` and :func:`receive_tensors` move the tensors alone, in the same
+buckets.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,9 +40,12 @@ __all__ = [
     "ALIGN",
     "ReceivedWeights",
     "WireMeta",
+    "receive_tensors",
     "receive_weights",
+    "send_tensors",
     "send_weights",
     "weight_group",
+    "wire_metas",
 ]
 
 #: Every tensor starts at a multiple of this many bytes in its bucket.
@@ -148,8 +156,7 @@ def send_weights(
     own group); call this on the trainer rank that is ``src`` in ``group`` and
     ``stream.drain()`` on the trainer's other ranks. ``device``: where buckets are packed
     (default: the group's device, the GPU for NCCL, the CPU for gloo)."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes={bucket_bytes}; pass at least {ALIGN}")
+    _check_bucket_bytes(bucket_bytes)
     metas = [WireMeta(m.name, m.dtype, tuple(m.shape), m.kept) for m in stream.metadata]
     header = json.dumps(
         {
@@ -160,23 +167,97 @@ def send_weights(
     ).encode()
     target = torch.device(device) if device is not None else group_device(group)
     _send_header(group, header, src, target)
-    buckets = _layout(metas, bucket_bytes)
-    sent = 0
-    pending: list[torch.Tensor] = []
-    items = iter(stream)
-    for bucket in buckets:
-        for meta, _ in bucket:
-            name, tensor = next(items)
-            assert name == meta.name, (name, meta.name)  # the stream checks its own metadata
-            pending.append(tensor)
+    return send_tensors(metas, stream, group, src=src, device=target, bucket_bytes=bucket_bytes)
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes={bucket_bytes}; pass at least {ALIGN}")
+
+
+def wire_metas(
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    kept: Sequence[str | None] | None = None,
+) -> list[WireMeta]:
+    """The tensors an engine's update request announces (vLLM's ``names``, ``dtype_names``
+    (``"bfloat16"``), ``shapes``), as :class:`WireMeta`. ``ValueError`` naming the entry for
+    lists of different lengths, a dtype outside the wire's or a negative size."""
+    kept = [None] * len(names) if kept is None else kept
+    lengths = {len(names), len(dtype_names), len(shapes), len(kept)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"names, dtype_names, shapes and kept have {len(names)}, {len(dtype_names)}, "
+            f"{len(shapes)} and {len(kept)} entries; pass one entry per tensor in each"
+        )
+    metas = []
+    for name, dtype, shape, why in zip(names, dtype_names, shapes, kept, strict=True):
+        wire = _WIRE_DTYPES.get(str(dtype).removeprefix("torch."))
+        if wire is None or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError(
+                f"{name}: dtype {dtype!r}, shape {list(shape)!r}; pass a dtype among "
+                f"{sorted(_WIRE_DTYPES)} and sizes >= 0"
+            )
+        metas.append(WireMeta(name, wire, tuple(int(s) for s in shape), why))
+    return metas
+
+
+def send_tensors(
+    metas: Sequence[WireMeta],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    group: Group,
+    *,
+    src: int = 0,
+    device: torch.device | str | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
+    """Broadcast ``tensors`` (what ``metas`` announced, in that order) from rank ``src`` of
+    ``group`` in buckets, without the metadata (the receivers have it already:
+    :func:`receive_tensors`). Returns the bytes sent.
+
+    Each tensor is checked against its entry as it comes (name, dtype, shape): the receivers
+    cut their buckets from the metadata, so a source that yields anything else raises
+    ``ValueError`` naming the first difference instead of sending bytes they would misread."""
+    _check_bucket_bytes(bucket_bytes)
+    target = torch.device(device) if device is not None else group_device(group)
+    items = iter(tensors)
+    sent = index = 0
+    for bucket in _layout(metas, bucket_bytes):
         buffer = torch.empty(_size(bucket), dtype=torch.uint8, device=target)
-        for (meta, offset), tensor in zip(bucket, pending, strict=True):
+        for meta, offset in bucket:
+            name, tensor = _next_checked(items, meta, index, len(metas))
             flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
             buffer[offset : offset + meta.nbytes].copy_(flat)
+            index += 1
         _broadcast(group, buffer, src)
         sent += buffer.numel()
-        pending.clear()
+    extra = next(items, None)
+    if extra is not None:
+        raise ValueError(
+            f"the source yielded {extra[0]!r} after the {len(metas)} tensors its metadata "
+            "announced; make its metadata list every tensor it yields"
+        )
     return sent
+
+
+def _next_checked(
+    items: Iterator[tuple[str, torch.Tensor]], meta: WireMeta, index: int, total: int
+) -> tuple[str, torch.Tensor]:
+    item = next(items, None)
+    if item is None:
+        raise ValueError(
+            f"the source stopped after {index} tensors; its metadata announced {total} (next: "
+            f"{meta.name!r}); make its iteration yield every tensor its metadata lists"
+        )
+    name, tensor = item
+    if name != meta.name or tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+        raise ValueError(
+            f"tensor {index}: the source yielded {name!r} {dtype_name(tensor.dtype)} "
+            f"{tuple(tensor.shape)}, its metadata announced {meta.name!r} "
+            f"{dtype_name(meta.dtype)} {meta.shape}; make both list the same tensors in order"
+        )
+    return name, tensor
 
 
 def _send_header(group: Group, header: bytes, src: int, device: torch.device) -> None:
@@ -205,6 +286,11 @@ class ReceivedWeights:
         """The tensors sent in a dtype other than the bulk's: name -> dtype."""
         return {m.name: m.dtype for m in self.metadata if m.kept is not None}
 
+    def drain(self) -> None:
+        """Take part in every broadcast left without keeping anything (a refused update)."""
+        for _ in self:
+            pass
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self._buckets:
             buffer = torch.empty(_size(bucket), dtype=torch.uint8, device=self._device)
@@ -228,6 +314,22 @@ def receive_weights(
     _broadcast(group, raw, src)
     metas, bucket_bytes = _parse_header(bytes(raw.cpu().numpy().tobytes()))
     return ReceivedWeights(group, metas, src, bucket_bytes, target)
+
+
+def receive_tensors(
+    metas: Sequence[WireMeta],
+    group: Group,
+    *,
+    src: int = 0,
+    device: torch.device | str | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> ReceivedWeights:
+    """The receiving side of :func:`send_tensors`: the weights ``metas`` announce, to iterate
+    (collective). ``bucket_bytes`` must be the sender's; ``device``: where they arrive (default:
+    the group's device)."""
+    _check_bucket_bytes(bucket_bytes)
+    target = torch.device(device) if device is not None else group_device(group)
+    return ReceivedWeights(group, list(metas), src, bucket_bytes, target)
 
 
 def _parse_header(data: bytes) -> tuple[list[WireMeta], int]:

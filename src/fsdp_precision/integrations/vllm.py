@@ -13,20 +13,51 @@ cannot hold it. A directory without the record loads exactly as it would without
 For an engine in its own processes: ``worker_extension_cls=
 "fsdp_precision.integrations.vllm.WeightReceiver"`` and :func:`~fsdp_precision.integrations.
 send_weights` on the trainer's side (docs/after-training.md, "vLLM").
+
+vLLM's own RL API (``LLM.init_weight_transfer_engine`` ... ``finish_weight_update``, or the
+same routes of ``vllm serve``) with ``WeightTransferConfig(backend="fsdp_precision_gloo")``:
+the trainer sends :class:`FSDPWeightSource` through vLLM's trainer engine, built from
+:class:`FSDPTrainerInitInfo` (both need vLLM installed; imported on first use, which also
+registers the backend with vLLM's factories of the trainer's process).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from fsdp_precision._engines.vllm.archs import ARCHITECTURES, TESTED_VLLM
 from fsdp_precision._engines.vllm.experts import repair_expert_updates
 from fsdp_precision._engines.vllm.plugin import register
 from fsdp_precision._engines.vllm.update import WeightReceiver, update_weights
 
+if TYPE_CHECKING:  # imported on first use (__getattr__): they subclass vLLM's classes
+    from fsdp_precision._engines.vllm.rl import FSDPTrainerInitInfo
+    from fsdp_precision._engines.vllm.source import FSDPWeightSource
+
 __all__ = [
     "ARCHITECTURES",
+    "FSDPTrainerInitInfo",
+    "FSDPWeightSource",
     "TESTED_VLLM",
     "WeightReceiver",
     "register",
     "repair_expert_updates",
     "update_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`FSDPWeightSource` and :class:`FSDPTrainerInitInfo`, imported where they are asked
+    for: they subclass vLLM's classes (``ImportError`` where vLLM is not installed)."""
+    if name == "FSDPWeightSource":
+        from fsdp_precision._engines.vllm.source import (  # lazy: subclasses vLLM's WeightSource
+            FSDPWeightSource,
+        )
+
+        return FSDPWeightSource
+    if name == "FSDPTrainerInitInfo":
+        from fsdp_precision._engines.vllm import rl  # lazy: subclasses vLLM's TrainerInitInfo
+
+        rl.register_backend()
+        return rl.FSDPTrainerInitInfo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
