@@ -35,43 +35,87 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdp_precision._advise.advice import PrecisionAdvice, advise
-from fsdp_precision._base.dtypes import MAPPABLE_DTYPES
-from fsdp_precision._base.errors import (
-    EngineDtypeError,
-    FsdpPrecisionError,
-    ParamDtypeMapError,
-    PatchIntegrityError,
-    PolicyNotAppliedError,
-    RankMismatchError,
-    UnitUsageError,
-    UnsupportedTorchError,
-)
-from fsdp_precision._base.version import __version__
-from fsdp_precision._edges.stream import WeightMeta, WeightStream, full_weights
-from fsdp_precision._patch import (
-    apply_param_dtype_map_patch,
-    is_param_dtype_map_patch_applied,
-    remove_param_dtype_map_patch,
-)
-from fsdp_precision._plan.compile import compile_param_dtype_maps
-from fsdp_precision._plan.meshes import Meshes
-from fsdp_precision._plan.model_policy import model_policy
-from fsdp_precision._plan.plan import PrecisionPlan
-from fsdp_precision._plan.records import PlannedParam, PlannedUnit
-from fsdp_precision._plan.units import auto_wrap_units, default_units
-from fsdp_precision._policy.casts import ModuleCast
-from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
-from fsdp_precision._releases import SUPPORTED_RELEASES
-from fsdp_precision._rules.rules import Glob, ModuleClass, PrecisionRules
-from fsdp_precision._train.config import PRESETS, DistributedConfig
-from fsdp_precision._train.wrap import (
-    make_grad_scaler,
-    plan_model_for_training,
-    wrap_model_for_training,
-)
+if TYPE_CHECKING:  # what the names are, for type checkers and documentation
+    from fsdp_precision._advise.advice import PrecisionAdvice, advise
+    from fsdp_precision._base.dtypes import MAPPABLE_DTYPES
+    from fsdp_precision._base.errors import (
+        EngineDtypeError,
+        FsdpPrecisionError,
+        ParamDtypeMapError,
+        PatchIntegrityError,
+        PolicyNotAppliedError,
+        RankMismatchError,
+        UnitUsageError,
+        UnsupportedTorchError,
+    )
+    from fsdp_precision._base.version import __version__
+    from fsdp_precision._edges.stream import WeightMeta, WeightStream, full_weights
+    from fsdp_precision._patch import (
+        apply_param_dtype_map_patch,
+        is_param_dtype_map_patch_applied,
+        remove_param_dtype_map_patch,
+    )
+    from fsdp_precision._plan.compile import compile_param_dtype_maps
+    from fsdp_precision._plan.meshes import Meshes
+    from fsdp_precision._plan.model_policy import model_policy
+    from fsdp_precision._plan.plan import PrecisionPlan
+    from fsdp_precision._plan.records import PlannedParam, PlannedUnit
+    from fsdp_precision._plan.units import auto_wrap_units, default_units
+    from fsdp_precision._policy.casts import ModuleCast
+    from fsdp_precision._policy.policy import ParamDtypeMixedPrecisionPolicy
+    from fsdp_precision._releases import SUPPORTED_RELEASES
+    from fsdp_precision._rules.rules import Glob, ModuleClass, PrecisionRules
+    from fsdp_precision._train.config import PRESETS, DistributedConfig
+    from fsdp_precision._train.wrap import (
+        make_grad_scaler,
+        plan_model_for_training,
+        wrap_model_for_training,
+    )
+
+
+#: Every public name -> the module that defines it: imported on first use (PEP 562), so a
+#: process that needs one part (vLLM's plugin, the CLI's help) does not import the rest.
+_EXPORTS: dict[str, str] = {
+    "PrecisionAdvice": "fsdp_precision._advise.advice",
+    "advise": "fsdp_precision._advise.advice",
+    "MAPPABLE_DTYPES": "fsdp_precision._base.dtypes",
+    "EngineDtypeError": "fsdp_precision._base.errors",
+    "FsdpPrecisionError": "fsdp_precision._base.errors",
+    "ParamDtypeMapError": "fsdp_precision._base.errors",
+    "PatchIntegrityError": "fsdp_precision._base.errors",
+    "PolicyNotAppliedError": "fsdp_precision._base.errors",
+    "RankMismatchError": "fsdp_precision._base.errors",
+    "UnitUsageError": "fsdp_precision._base.errors",
+    "UnsupportedTorchError": "fsdp_precision._base.errors",
+    "__version__": "fsdp_precision._base.version",
+    "WeightMeta": "fsdp_precision._edges.stream",
+    "WeightStream": "fsdp_precision._edges.stream",
+    "full_weights": "fsdp_precision._edges.stream",
+    "apply_param_dtype_map_patch": "fsdp_precision._patch",
+    "is_param_dtype_map_patch_applied": "fsdp_precision._patch",
+    "remove_param_dtype_map_patch": "fsdp_precision._patch",
+    "compile_param_dtype_maps": "fsdp_precision._plan.compile",
+    "Meshes": "fsdp_precision._plan.meshes",
+    "model_policy": "fsdp_precision._plan.model_policy",
+    "PrecisionPlan": "fsdp_precision._plan.plan",
+    "PlannedParam": "fsdp_precision._plan.records",
+    "PlannedUnit": "fsdp_precision._plan.records",
+    "auto_wrap_units": "fsdp_precision._plan.units",
+    "default_units": "fsdp_precision._plan.units",
+    "ModuleCast": "fsdp_precision._policy.casts",
+    "ParamDtypeMixedPrecisionPolicy": "fsdp_precision._policy.policy",
+    "SUPPORTED_RELEASES": "fsdp_precision._releases",
+    "Glob": "fsdp_precision._rules.rules",
+    "ModuleClass": "fsdp_precision._rules.rules",
+    "PrecisionRules": "fsdp_precision._rules.rules",
+    "PRESETS": "fsdp_precision._train.config",
+    "DistributedConfig": "fsdp_precision._train.config",
+    "make_grad_scaler": "fsdp_precision._train.wrap",
+    "plan_model_for_training": "fsdp_precision._train.wrap",
+    "wrap_model_for_training": "fsdp_precision._train.wrap",
+}
 
 __all__ = [
     "MAPPABLE_DTYPES",
@@ -119,8 +163,12 @@ _NEW_IN_CHECKPOINT = ("METADATA_FILE", "StateDictType")
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("__"):  # module protocol lookups (__path__, __file__, ...)
+    if name.startswith("__") and name != "__version__":  # module protocol (__path__, ...)
         raise AttributeError(name)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # once: later lookups find it directly
+        return value
     checkpoint = importlib.import_module(f"{__name__}.checkpoint")  # also for the submodule
     if name == "checkpoint":
         return checkpoint
@@ -136,3 +184,7 @@ def __getattr__(name: str) -> Any:
 
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

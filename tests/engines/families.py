@@ -71,6 +71,11 @@ FAMILIES: dict[str, Family] = {
     ),
 }  # fmt: skip
 
+#: Not run through the plain causal-LM tests: a reward model is made from it (its norms kept).
+POOLING: dict[str, Family] = {
+    "qwen2": Family(_config("Qwen2Config", intermediate_size=128, num_key_value_heads=1), (NORMS,)),
+}
+
 #: An architecture the vLLM integration does not build (not in its ``ARCHITECTURES``).
 UNCOVERED: dict[str, Family] = {
     "phi3": Family(
@@ -85,8 +90,12 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    family = FAMILIES.get(name) or UNCOVERED[name]
-    return AutoModelForCausalLM.from_config(family.config(), dtype=fp32)
+    return AutoModelForCausalLM.from_config(family(name).config(), dtype=fp32)
+
+
+def family(name: str) -> Family:
+    """The family of that name, whichever table lists it."""
+    return FAMILIES.get(name) or POOLING.get(name) or UNCOVERED[name]
 
 
 def train_and_export(
@@ -96,7 +105,7 @@ def train_and_export(
     the kept values are trained ones, not bf16-representable inits), exported; returns what the
     record keeps (name -> dtype)."""
     model = build(name, seed)
-    rules = (FAMILIES.get(name) or UNCOVERED[name]).rules if rules is None else rules
+    rules = family(name).rules if rules is None else rules
     plan = fp.compile_param_dtype_maps(
         model, fp.PrecisionRules(param_dtype=bf16, reduce_dtype=fp32, rules=rules, advice="off")
     )
@@ -119,3 +128,34 @@ def export_family(
 
     args = (name, str(out), rules, seed)
     return launch(train_and_export, args, nproc=1, start_method="spawn")
+
+
+def declare_base(name: str, base: str, declaration: str, seed: int = 0) -> dict[str, str]:
+    """Rank 0 of ``launch``: what an RL run starts from. The family's base checkpoint as
+    released (``save_pretrained`` in bf16: no record, its routers bf16 on disk), and the
+    trainer's declaration of what it keeps (the model loaded in fp32, wrapped with FSDP2 from
+    its plan, ``declare_kept``); returns the declaration's kept tensors (name -> dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_precision.integrations import declare_kept
+
+    build(name, seed).to(bf16).save_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=fp32)
+    plan = fp.compile_param_dtype_maps(
+        model,
+        fp.PrecisionRules(
+            param_dtype=bf16, reduce_dtype=fp32, rules=family(name).rules, advice="off"
+        ),
+    )
+    plan.apply()
+    import json
+
+    path = declare_kept(model, declaration)
+    return {n: e["dtype"] for n, e in json.loads(path.read_text())["kept"].items()}
+
+
+def declare_family(name: str, base: Path, declaration: Path) -> dict[str, str]:
+    """:func:`declare_base` in a process of its own."""
+    from fsdp_precision.testing import launch
+
+    return launch(declare_base, (name, str(base), str(declaration)), nproc=1, start_method="spawn")

@@ -139,3 +139,75 @@ def test_a_gate_the_engine_rounded_is_named_readable_or_hidden() -> None:
         EngineDtypeError, match=r"gate.weight: the engine computes its module's output in bfloat16"
     ):
         state.check(model, {"gate.weight": weight}, lambda n: n)
+
+
+def held_with(kept_: EngineKept, **options: object) -> tuple[Engine, Held]:
+    """``held`` with :class:`Held`'s options (the engine's dtype, pipeline stages, first load)."""
+    engine_dtype = options.pop("engine_dtype", None)
+    with build(kept_, "Toy", lambda n: n, engine_dtype=engine_dtype) as current:  # type: ignore[arg-type]
+        model = Engine()
+    return model, Held(model, current, **options)  # type: ignore[arg-type]
+
+
+GATE = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("sent", [bf16, torch.float16], ids=["bf16", "fp16"])
+def test_an_update_bringing_a_kept_tensor_narrower_is_refused_by_name(sent: torch.dtype) -> None:
+    """The narrower kept tensor never reaches the engine's loader (it keeps its values); the
+    rest of the call loads (an in-place reload must see its end), then the refusal is raised."""
+    model, state = held_with(kept("gate.weight"))
+    before = model.gate.weight.detach().clone()
+    qkv = torch.randn(24, 8).to(bf16)
+    name = str(sent).removeprefix("torch.")
+    with pytest.raises(
+        EngineDtypeError,
+        match=rf"in a narrower dtype \(those were not loaded.*gate.weight: sent in {name}, kept in float32",
+    ):
+        weights = [("gate.weight", GATE.to(sent)), ("qkv.weight", qkv)]
+        state.load(model, model.load_weights, weights, lambda n: n)
+    assert torch.equal(model.gate.weight, before)  # never reached the engine's loader
+    assert torch.equal(model.qkv.weight, qkv)  # the rest of the call did
+
+
+def test_a_wider_or_equal_kept_tensor_loads_exactly() -> None:
+    model, state = held_with(kept("gate.weight"))
+    state.load(model, model.load_weights, [("gate.weight", GATE.double())], lambda n: n)
+    assert torch.equal(model.gate.weight, GATE.double().float())
+    state.load(model, model.load_weights, [("gate.weight", GATE)], lambda n: n)
+    assert torch.equal(model.gate.weight, GATE)
+
+
+def test_the_first_load_of_a_base_checkpoint_widens_its_bf16_router_once() -> None:
+    """A base checkpoint stores the router in bf16: the engine's first load widens it exactly;
+    an update after that must bring fp32 (negative control: the same tensor, refused)."""
+    model, state = held_with(kept("gate.weight"), checkpoint_load=True)
+    base = GATE.to(bf16)
+    state.load(model, model.load_weights, [("gate.weight", base)], lambda n: n)
+    assert model.gate.weight.dtype == fp32 and torch.equal(model.gate.weight, base.float())
+    with pytest.raises(EngineDtypeError, match=r"gate.weight: sent in bfloat16, kept in float32"):
+        state.load(model, model.load_weights, [("gate.weight", base)], lambda n: n)
+    assert torch.equal(model.gate.weight, base.float())
+
+
+def test_a_pipeline_stage_checks_only_what_it_holds() -> None:
+    """Each stage holds some layers (vLLM's ``PPMissingLayer`` elsewhere): a kept tensor of
+    another stage is neither refused at build nor read back; one this stage should hold and
+    does not is still refused (negative control)."""
+    names = ("gate.weight", "layers.9.norm.weight")
+    model, state = held_with(kept(*names), elsewhere=lambda n: n.startswith("layers.9."))
+    state.load(model, model.load_weights, [("gate.weight", GATE)], lambda n: n)
+    state.check(model, {"layers.9.norm.weight": torch.ones(8)}, lambda n: n)
+    with pytest.raises(EngineDtypeError, match=r"layers.9.norm.weight: vLLM's Toy holds no tensor"):
+        held_with(kept(*names))
+
+
+@pytest.mark.parametrize("engine_dtype", [bf16, torch.float16])
+def test_a_kept_norm_casts_back_to_the_dtype_the_engine_runs_in(engine_dtype: torch.dtype) -> None:
+    """Training's bulk was bf16; an engine serving in fp16 gets fp16 back from the kept norm
+    (cast back to the record's bf16 it would meet fp16 kernels: ``BFloat16 != Half``)."""
+    model, _ = held_with(
+        kept("norm.weight", "norm.bias", casts=(NORM_CAST,)), engine_dtype=engine_dtype
+    )
+    model.norm.to(dtype=fp32)
+    assert model.norm(torch.randn(3, 8).to(engine_dtype)).dtype == engine_dtype

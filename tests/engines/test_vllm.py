@@ -239,13 +239,14 @@ def test_negative_control_without_the_repair_the_updated_experts_go_wrong(
     assert (prompt_logprobs(llm) - before).abs().max() > 1e-3
 
 
-def in_a_process(function: str, *args: str, plugin: bool = True) -> Any:
-    """``function(*args)`` of this module in a fresh process (its JSON result): vLLM without
-    the plugin (``VLLM_PLUGINS`` naming only vLLM's own), or an engine whose build fails (a
-    failed build leaves vLLM's process-wide groups torn down for the next engine)."""
+def in_a_process(function: str, *args: str, plugin: bool = True, module: str = "test_vllm") -> Any:
+    """``function(*args)`` of this module (or ``tests.engines.<module>``) in a fresh process
+    (its JSON result): vLLM without the plugin (``VLLM_PLUGINS`` naming only vLLM's own), or an
+    engine whose build fails (a failed build leaves vLLM's process-wide groups torn down for the
+    next engine)."""
     script = (
         f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
-        f"from tests.engines import test_vllm as t; "
+        f"from tests.engines import {module} as t; "
         f"print(json.dumps(t.{function}(*{list(args)!r})))"
     )
     env = dict(os.environ)

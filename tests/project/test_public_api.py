@@ -43,13 +43,13 @@ SURFACE = {
         "library_of", "load_state_dict_aligned",
     ],
     "fsdp_precision.integrations": [
-        "ReceivedWeights", "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer",
+        "KEPT_ENV", "ReceivedWeights", "declare_kept", "accelerate_fsdp2_on_cpu", "cpu_fsdp2_trainer",
         "last_complete_checkpoint", "receive_weights", "send_weights", "trainer_fsdp_policy",
         "transformers_native_fsdp", "weight_group",
     ],
     "fsdp_precision.integrations.vllm": [
-        "ARCHITECTURES", "TESTED_VLLM", "WeightReceiver", "register", "repair_expert_updates",
-        "update_weights",
+        "ARCHITECTURES", "FSDPTrainerInitInfo", "FSDPWeightSource", "TESTED_VLLM",
+        "WeightReceiver", "register", "repair_expert_updates", "update_weights",
     ],
     "fsdp_precision.integrations.sglang": [
         "ARCHITECTURES", "READ_SGLANG", "DistributedUpdate", "FlatTensor", "SGLangSettings",
@@ -69,7 +69,7 @@ def test_each_face_exports_exactly_its_names(face: str) -> None:
     module = importlib.import_module(face)
     assert sorted(module.__all__) == sorted(SURFACE[face])
     for name in module.__all__:
-        getattr(module, name)
+        public(module, name)
 
 
 @pytest.mark.parametrize("face", SURFACE)
@@ -78,10 +78,20 @@ def test_every_public_callable_and_class_has_a_docstring(face: str) -> None:
     missing = [
         name
         for name in module.__all__
-        if (inspect.isclass(obj := getattr(module, name)) or inspect.isfunction(obj))
+        if (inspect.isclass(obj := public(module, name)) or inspect.isfunction(obj))
         and not inspect.getdoc(obj)
     ]
     assert missing == []
+
+
+def public(module: object, name: str) -> object:
+    """``module.name``; ``None`` for a name that needs an engine not installed here (vLLM's
+    subclasses raise ``ImportError`` saying what to install: checked where vLLM is)."""
+    try:
+        return getattr(module, name)
+    except ImportError as err:
+        assert "is not installed here; install it" in str(err)
+        return None
 
 
 def test_every_public_name_is_in_the_api_reference() -> None:

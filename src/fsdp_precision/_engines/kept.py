@@ -9,6 +9,8 @@ reads it: checkpoint names (Hugging Face's, which engines map into their own), d
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -55,6 +57,18 @@ class EngineKept:
     def cast_of(self, module: str) -> RecordedCast | None:
         """The boundary cast training ran the module named ``module`` with, if any."""
         return self._by_module.get(module)
+
+    def digest(self) -> str:
+        """A short hash of what is kept (names, dtypes, casts, bulk): keys an engine's caches."""
+        document = {
+            "tensors": sorted((n, dtype_name(d)) for n, d in self.tensors.items()),
+            "casts": sorted(
+                (c.module, dtype_name(c.cast.inputs), c.cast.outputs, str(c.back))
+                for c in self.casts
+            ),
+            "bulk": dtype_name(self.bulk),
+        }
+        return hashlib.sha256(json.dumps(document).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         """One line: how many tensors in which dtypes."""

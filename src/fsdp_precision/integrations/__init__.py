@@ -23,7 +23,9 @@ What this module adds is the three seams that are not obvious (docs/integrations
   ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` by name, half-written or not;
   this returns the newest one the Trainer finished (its ``trainer_state.json`` is written last).
 
-The other half of an RL loop, the inference engine: :func:`send_weights` and
+The other half of an RL loop, the inference engine: :func:`declare_kept` writes what the
+trainer keeps for an engine started from the base checkpoint (``FSDP_PRECISION_KEPT=file``, or
+vLLM's ``additional_config={"fsdp_precision": file}``); :func:`send_weights` and
 :func:`receive_weights` carry a weight stream to an engine in another process (metadata first,
 then the tensors in their own dtypes, over ``torch.distributed``; :func:`weight_group` makes a
 group of their own), and :mod:`fsdp_precision.integrations.vllm` keeps the kept tensors kept
@@ -34,6 +36,7 @@ Only public attributes of accelerate's state are set; the package is imported la
 
 from __future__ import annotations
 
+from fsdp_precision._engines.declaration import KEPT_ENV, declare_kept
 from fsdp_precision._engines.transfer import (
     ReceivedWeights,
     receive_weights,
@@ -49,9 +52,11 @@ from fsdp_precision._train.integrations import (
 from fsdp_precision._train.transformers_native import transformers_native_fsdp
 
 __all__ = [
+    "KEPT_ENV",
     "ReceivedWeights",
     "accelerate_fsdp2_on_cpu",
     "cpu_fsdp2_trainer",
+    "declare_kept",
     "last_complete_checkpoint",
     "receive_weights",
     "send_weights",

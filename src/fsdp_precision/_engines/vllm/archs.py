@@ -13,7 +13,7 @@ engine cannot hold them); one that is not, holding a kept tensor, is refused whe
 
 from __future__ import annotations
 
-__all__ = ["ARCHITECTURES", "REPACKED_EXPERTS", "TESTED_VLLM"]
+__all__ = ["ARCHITECTURES", "REPACKED_EXPERTS", "TESTED_VLLM", "UNTESTED_ENV", "tested"]
 
 #: Architectures (``config.json``'s ``architectures``) whose vLLM model class the integration
 #: subclasses. ``True``: run in this project's tests on vLLM's CPU build, at tiny sizes
@@ -37,14 +37,28 @@ ARCHITECTURES: dict[str, bool] = {
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": True,
     "MistralForCausalLM": False,
+    # pooling: reward and process-reward models (kept norms); a causal LM served with
+    # runner="pooling" is vLLM's adapter over the class above, covered with it
+    "Qwen2ForRewardModel": True,
+    "Qwen2ForProcessRewardModel": False,
 }
 
-#: vLLM releases the integration was run against (``tests/engines``, vLLM's CPU build).
+#: vLLM releases the integration was run against (``tests/engines``, vLLM's CPU build); a kept
+#: model on another minor release is refused by name (stock models load untouched) unless
+#: :data:`UNTESTED_ENV` is ``1``. ``pyproject.toml``'s ``vllm`` extra pins the same range.
 TESTED_VLLM = ("0.32.0",)
+UNTESTED_ENV = "FSDP_PRECISION_ALLOW_UNTESTED_VLLM"
+
+
+def tested(version: str) -> bool:
+    """Whether vLLM ``version`` (``"0.32.0+cpu"``) is a minor release of :data:`TESTED_VLLM`."""
+    minor = tuple(version.split("+")[0].split(".")[:2])
+    return any(tuple(t.split(".")[:2]) == minor for t in TESTED_VLLM)
+
 
 #: Expert kernels whose post-load processing vLLM's weight-update path skips (vLLM 0.32's
 #: ``UnquantizedFusedMoEMethod._setup_kernel`` runs ``fused_experts.process_weights_after_loading``
 #: on the first load only): after an update they would compute on the unprocessed layout. The
 #: integration runs that processing again after an update; found, and checked bitwise against a
 #: fresh load, for these classes.
-REPACKED_EXPERTS = frozenset({"CPUUnquantizedExperts"})
+REPACKED_EXPERTS = frozenset({"CPUUnquantizedExperts", "X86CPUUnquantizedExperts"})

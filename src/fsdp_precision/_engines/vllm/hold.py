@@ -19,7 +19,7 @@ forward): a tensor the engine rounded raises by name.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -29,11 +29,21 @@ import torch
 import torch.nn as nn
 
 from fsdp_precision._base.dtypes import dtype_name
+from fsdp_precision._engines.declaration import CONFIG_KEY, resolve_kept
 from fsdp_precision._engines.kept import EngineKept
 from fsdp_precision._engines.readback import compare_held, probe_linear, raise_problems
 from fsdp_precision._policy.casts import ModuleCast, install_cast, installed_cast
 
-__all__ = ["Build", "Held", "building", "build", "fused_of", "renamer_of"]
+__all__ = [
+    "Build",
+    "Held",
+    "build",
+    "building",
+    "fused_of",
+    "kept_of_config",
+    "narrower",
+    "renamer_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,26 @@ _FIX = (
     "Serve this model with an architecture fsdp-precision's vLLM integration covers "
     "(docs/after-training.md, 'vLLM'), or export it without keeping that tensor"
 )
+
+
+def kept_of_config(config: Any) -> EngineKept | None:
+    """What the engine of vLLM's ``config`` (a ``VllmConfig``) must keep: its
+    ``additional_config["fsdp_precision"]``, ``FSDP_PRECISION_KEPT``, or the model's export
+    record (a directory or a Hub id): :func:`~fsdp_precision._engines.declaration.resolve_kept`."""
+    model_config = config.model_config
+    additional = getattr(config, "additional_config", None)
+    declared = additional.get(CONFIG_KEY) if isinstance(additional, Mapping) else None
+    return resolve_kept(
+        str(model_config.model),
+        revision=getattr(model_config, "revision", None),
+        declared=declared,
+    )
+
+
+def narrower(sent: torch.dtype, kept: torch.dtype) -> bool:
+    """Whether a tensor sent in ``sent`` cannot carry every value of ``kept`` (bf16 for fp32;
+    fp16 and bf16 for each other); fp64 for fp32 is wider, the copy exact to the kept dtype."""
+    return sent != kept and torch.promote_types(sent, kept) != sent
 
 
 def renamer_of(cls: type[nn.Module]) -> Callable[[str], str | None]:
@@ -69,12 +99,15 @@ class Build:
         engine_names: Each kept tensor's engine name -> its checkpoint name.
         fused: Kept checkpoint names the engine loads as one shard of a fused tensor -> that
             tensor's engine name.
+        engine_dtype: The dtype the engine runs the model in (``None``: the record's bulk):
+            what a kept module's outputs are cast back to.
     """
 
     kept: EngineKept
     architecture: str
     engine_names: dict[str, str] = field(default_factory=dict)
     fused: dict[str, str] = field(default_factory=dict)
+    engine_dtype: torch.dtype | None = None
 
     def dtype_of(self, engine_name: str) -> torch.dtype | None:
         """The kept dtype of the engine tensor ``engine_name`` (``None``: the bulk)."""
@@ -96,6 +129,7 @@ def build(
     architecture: str,
     rename: Callable[[str], str | None],
     fused: Callable[[str], bool] = lambda name: False,
+    engine_dtype: torch.dtype | None = None,
 ) -> Iterator[Build]:
     """Make :func:`building` return the build of a model whose checkpoint names map to engine
     names by ``rename`` (``None``: the engine drops the name); ``fused`` says which checkpoint
@@ -107,7 +141,7 @@ def build(
             shards[checkpoint] = engine
         elif engine is not None:
             names[engine] = checkpoint
-    current = Build(kept, architecture, names, shards)
+    current = Build(kept, architecture, names, shards, engine_dtype)
     token = _BUILD.set(current)
     try:
         yield current
@@ -118,8 +152,22 @@ def build(
 class Held:
     """The kept tensors of one built model, and the checks after each of its loads."""
 
-    def __init__(self, model: nn.Module, current: Build) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        current: Build,
+        *,
+        elsewhere: Callable[[str], bool] = lambda name: False,
+        checkpoint_load: bool = False,
+    ) -> None:
+        """``elsewhere(engine_name)``: the tensor lives on another pipeline stage (this stage
+        neither holds nor checks it). ``checkpoint_load``: the engine's first load reads the
+        model's own checkpoint (vLLM's loader, not ``load_format="dummy"``): a base checkpoint
+        stores a kept tensor in the bulk dtype, widened exactly; every later load must bring it
+        in its kept dtype."""
         self.build = current
+        self.elsewhere = elsewhere
+        self._checkpoint_load = checkpoint_load
         params = dict(model.named_parameters(remove_duplicate=False))
         modules = dict(model.named_modules(remove_duplicate=False))
         problems: list[str] = []
@@ -136,6 +184,8 @@ class Held:
         for engine, checkpoint in sorted(current.engine_names.items()):
             dtype = current.kept.tensors[checkpoint]
             param = params.get(engine)
+            if param is None and elsewhere(engine):
+                continue  # another pipeline stage holds (and checks) it
             if param is None:
                 problems.append(
                     f"{checkpoint}: vLLM's {current.architecture} holds no tensor of that name "
@@ -190,9 +240,10 @@ class Held:
             )
         param.data = torch.empty_like(param.data, dtype=dtype)  # the same Parameter, its loader
         if recorded is not None and installed_cast(owner) is None:
-            install_cast(
-                owner, ModuleCast(recorded.cast.inputs, recorded.cast.outputs), recorded.back
-            )
+            back = recorded.back
+            if back is not None and self.build.engine_dtype is not None:
+                back = self.build.engine_dtype  # the engine's dtype (fp16 serving a bf16 run)
+            install_cast(owner, ModuleCast(recorded.cast.inputs, recorded.cast.outputs), back)
         return None
 
     def load(
@@ -203,18 +254,43 @@ class Held:
         rename: Callable[[str], str | None],
     ) -> Any:
         """``load(weights)`` (vLLM's own ``load_weights``), keeping a copy of each kept tensor as
-        it goes by; then read each back from the engine and raise where it was rounded."""
-        wanted = set(self.build.kept.tensors)
+        it goes by; then read each back from the engine and raise where it was rounded.
+
+        A kept tensor arriving in a dtype that cannot hold its kept dtype's values (bf16 for an
+        fp32 router: a sync that cast the state dict to the rollout dtype) is refused by name on
+        every path into ``load_weights`` (vLLM's RL API, ``reload_weights``, a direct call as TRL
+        makes): it never reaches the engine, which keeps that tensor's previous values; the rest
+        of the call loads (vLLM's in-place reload must see its end to put its layers back), then
+        the refusal is raised. The engine's first load of its own checkpoint (a base model's
+        bf16 router) is the exception: widened exactly.
+        """
+        kept = self.build.kept.tensors
         seen: dict[str, torch.Tensor] = {}
+        refused: list[str] = []
+        from_checkpoint, self._checkpoint_load = self._checkpoint_load, False
 
         def tap() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if name in wanted:
-                    seen[name] = tensor.detach().to("cpu", copy=True)
+                dtype = kept.get(name)
+                if dtype is not None and not from_checkpoint and narrower(tensor.dtype, dtype):
+                    refused.append(
+                        f"{name}: sent in {dtype_name(tensor.dtype)}, kept in {dtype_name(dtype)}"
+                    )
+                    continue
+                if dtype is not None:
+                    seen[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
                 yield name, tensor
 
         loaded = load(tap())
         self.check(model, seen, rename)
+        raise_problems(
+            refused,
+            "an update brought kept tensors in a narrower dtype (those were not loaded: the "
+            "engine holds their previous values)",
+            "Send each tensor in the dtype training kept it (fsdp_precision.full_weights(model), "
+            "or the integration's WeightSource); never cast the whole state dict to the rollout "
+            "dtype",
+        )
         return loaded
 
     def check(
@@ -229,6 +305,8 @@ class Held:
             engine = rename(checkpoint)
             dtype = kept.tensors[checkpoint]
             held = params.get(engine) if engine is not None else None
+            if held is None and engine is not None and self.elsewhere(engine):
+                continue  # another pipeline stage's
             if held is None or engine is None:
                 problems.append(f"{checkpoint}: the engine holds no tensor {engine!r}")
             elif held.numel() == 0 and value.numel() > 0:

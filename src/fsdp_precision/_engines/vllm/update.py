@@ -28,7 +28,7 @@ from fsdp_precision._base.dtypes import dtype_name
 from fsdp_precision._engines.readback import raise_problems
 from fsdp_precision._engines.transfer import receive_weights, weight_group
 from fsdp_precision._engines.vllm.experts import repair_expert_updates
-from fsdp_precision._engines.vllm.hold import fused_of, renamer_of
+from fsdp_precision._engines.vllm.hold import fused_of, narrower, renamer_of
 
 __all__ = ["WeightReceiver", "update_weights"]
 
@@ -63,6 +63,33 @@ def _refuse_rounding(model: nn.Module, kept: Mapping[str, torch.dtype]) -> None:
     )
 
 
+def _refuse_narrower(model: nn.Module, weights: Any) -> None:
+    """A model built to hold kept tensors refuses, before anything loads, an update whose
+    metadata (a stream's) or materialised list brings one in a narrower dtype; a lazy iterator
+    is checked tensor by tensor as it loads (:meth:`.hold.Held.load`)."""
+    held = getattr(model, "_fsdp_precision_held", None)
+    if held is None:
+        return
+    kept = held.build.kept.tensors
+    metadata = getattr(weights, "metadata", None)
+    if metadata is not None:
+        sent = [(m.name, m.dtype) for m in metadata]
+    elif isinstance(weights, (list, tuple)):
+        sent = [(name, tensor.dtype) for name, tensor in weights]
+    else:
+        return
+    raise_problems(
+        [
+            f"{name}: sent in {dtype_name(dtype)}, kept in {dtype_name(kept[name])}"
+            for name, dtype in sent
+            if name in kept and narrower(dtype, kept[name])
+        ],
+        "an update brought kept tensors in a narrower dtype (refused before anything loaded)",
+        "Send each tensor in the dtype training kept it (fsdp_precision.full_weights(model)); "
+        "never cast the whole state dict to the rollout dtype",
+    )
+
+
 def _model_of(worker: Any) -> nn.Module:
     runner = worker.model_runner
     return runner.get_model() if hasattr(runner, "get_model") else runner.model  # type: ignore[no-any-return]
@@ -71,6 +98,7 @@ def _model_of(worker: Any) -> nn.Module:
 def _update_in_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]], kept: Any) -> int:
     model = _model_of(worker)
     _refuse_rounding(model, kept)
+    _refuse_narrower(model, weights)
     repair_expert_updates(model)
     count = 0
 
