@@ -243,7 +243,8 @@ def test_a_kept_norm_model_serves_in_fp16(tmp_path: Path) -> None:
 
 def launch_with_a_broken_vllm(export: str, stock: str, breakage: str) -> dict[str, Any]:
     """In a process where vLLM did not load the plugin: break a vLLM internal the plugin uses
-    (``registry``), or make vLLM a release the integration was not run against (``version``),
+    (``registry``), let another plugin own the router's layer slot first (``owned``), or make
+    vLLM a release the integration was not run against (``version``),
     then register as vLLM would and start a stock model, then the kept export."""
     from vllm.model_executor.models.registry import ModelRegistry
 
@@ -254,6 +255,14 @@ def launch_with_a_broken_vllm(export: str, stock: str, breakage: str) -> dict[st
 
     if breakage == "registry":
         ModelRegistry.register_model = moved
+    elif breakage == "owned":  # a platform plugin registered its own router first
+        from vllm.model_executor.custom_op import PluggableLayer
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+        class PlatformGateLinear(GateLinear):  # type: ignore[misc]
+            pass
+
+        PluggableLayer.register_oot(name="GateLinear")(PlatformGateLinear)
     else:
         vllm.__version__ = "0.99.0"
     register()  # never raises
@@ -267,7 +276,7 @@ def launch_with_a_broken_vllm(export: str, stock: str, breakage: str) -> dict[st
     return result
 
 
-@pytest.mark.parametrize("breakage", ["registry", "version"])
+@pytest.mark.parametrize("breakage", ["registry", "owned", "version"])
 def test_a_broken_registration_or_untested_vllm_refuses_kept_models_only(
     tmp_path: Path, base: tuple[Path, Path], breakage: str
 ) -> None:
@@ -282,6 +291,8 @@ def test_a_broken_registration_or_untested_vllm_refuses_kept_models_only(
     if breakage == "registry":
         assert "could not register what holds them" in result["message"]
         assert "register_model" in result["message"]
+    elif breakage == "owned":
+        assert "another vLLM plugin replaced GateLinear" in result["message"]
     else:
         assert "vLLM 0.99.0 is outside the releases" in result["message"]
         assert "FSDP_PRECISION_ALLOW_UNTESTED_VLLM=1" in result["message"]
