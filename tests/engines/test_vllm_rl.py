@@ -119,14 +119,15 @@ def trainer(
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from fsdp_precision import Glob, PrecisionRules, model_policy
-    from fsdp_precision.checkpoint import restore_kept
+    from fsdp_precision.checkpoint import EXPORT_RECORD, restore_kept
     from fsdp_precision.integrations.vllm import FSDPTrainerInitInfo, FSDPWeightSource
     from fsdp_precision.testing import process_group
 
     with process_group():
         rank = dist.get_rank()
         model = AutoModelForCausalLM.from_pretrained(export, dtype=fp32)
-        restore_kept(model, export)
+        if (Path(export) / EXPORT_RECORD).exists():  # an export; a base is bf16 widened
+            restore_kept(model, export)
         exported = {n: model.get_parameter(n).detach().clone() for n in GATES}
         rules = PrecisionRules(
             param_dtype=bf16, reduce_dtype=fp32, rules=(Glob("*.mlp.gate.weight"),), advice="off"
@@ -401,3 +402,25 @@ def test_vllm_serve_s_rl_routes_take_the_update_and_refuse_a_narrowed_one(
         "fsdp-precision refused this weight update before loading any of it: "
         "model.layers.0.mlp.gate.weight: sent in bfloat16, training kept it in float32"
     ) in log.read_text()
+
+
+def test_a_base_checkpoint_declared_to_vllm_takes_rl_updates_in_fp32(tmp_path: Path) -> None:
+    """As RL frameworks start the engine: the base checkpoint (bf16, no record), told what the
+    trainer keeps (``declare_kept``, vLLM's ``additional_config``); an RL step through vLLM's
+    API lands the trainer's new fp32 routers bitwise."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from tests.engines.families import declare_family
+
+    base, declaration = tmp_path / "base", tmp_path / "kept.json"
+    assert declare_family("qwen3_moe", base, declaration) == dict.fromkeys(GATES, "float32")
+    llm = engine(
+        base,
+        weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+        additional_config={"fsdp_precision": str(declaration)},
+    )
+    result, raised, after = drive(llm, base, [(9, False)])
+    assert raised == [] and result["errors"] == [None] and len(after) == 1
+    assert result["declared"] == [dict.fromkeys(GATES, "torch.float32")]
+    routers = dict.fromkeys(GATES, fp32)
+    assert read_back(llm, new_routers(9), routers) == dict.fromkeys(GATES)
