@@ -126,3 +126,34 @@ def test_the_digest_that_keys_engine_caches_changes_with_what_is_kept(declared: 
     assert same.digest() == read_declaration(declared).digest()
     document["kept"] = {**document["kept"], GATES[0]: {"dtype": "float64", "reason": "r"}}
     assert read_declaration(document).digest() != same.digest()
+
+
+def test_loading_the_vllm_plugin_imports_only_what_it_uses() -> None:
+    """vLLM runs the plugin's entry point in every process it starts: importing it (and
+    resolving what an engine is told is kept) imports none of the trainer's layers (planning,
+    training, the torch patch, the advisor, weight streams). Negative control: a public name
+    of the package, resolved, imports them (the package's names load on first use)."""
+    import subprocess
+    import sys
+
+    def imported(code: str) -> set[str]:
+        script = (
+            f"import json, sys; {code}; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('fsdp_precision'))))"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    heavy = ("_plan", "_train", "_patch", "_advise", "_edges.stream")
+    plugin = imported(
+        "import fsdp_precision._engines.vllm.plugin; "
+        "from fsdp_precision._engines.declaration import resolve_kept; resolve_kept('.')"
+    )
+    assert not {m for m in plugin for h in heavy if f"fsdp_precision.{h}" in m}, sorted(plugin)
+    trainer = imported(
+        "import fsdp_precision as f; f.compile_param_dtype_maps, f.wrap_model_for_training"
+    )
+    assert {h for h in heavy[:3] if any(f"fsdp_precision.{h}" in m for m in trainer)} == set(
+        heavy[:3]
+    )
