@@ -143,6 +143,11 @@ def call_forward(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+#: bitsandbytes' ``Linear4bit``/``Embedding4bit`` attribute that lets an eval-mode no-grad
+#: forward repack the weight in place for its AVX-512-BF16 CPU kernel (bitsandbytes 0.48+).
+_REPACK_FLAG = "support_avx512bf16_for_cpu"
+
+
 @contextmanager
 def quiet_forward(
     model: nn.Module, *, eval_mode: bool = True, experts: str = "batched_mm"
@@ -151,9 +156,13 @@ def quiet_forward(
     batch norms in eval mode: a train-mode forward updates their running statistics), no
     gradient, the RNG forked (dropout consumes none), fused experts on ``experts``, an
     implementation every dtype runs (:func:`~fsdp_precision._hf.tracing.traceable_experts`:
-    ``"batched_mm"`` on the meta device too, ``"eager"`` in bounded memory on values);
+    ``"batched_mm"`` on the meta device too, ``"eager"`` in bounded memory on values), and no
+    layer rewriting its weights in place (bitsandbytes' 4-bit layers repack theirs into a CPU
+    layout at their first eval-mode no-grad forward on AVX-512-BF16 CPUs, which FSDP's sharding
+    of the original codes then contradicts: the trace a plan runs broke QLoRA there);
     everything restored."""
     flags = [(m, m.training) for m in model.modules()]
+    repacking = [(m, getattr(m, _REPACK_FLAG)) for m in model.modules() if hasattr(m, _REPACK_FLAG)]
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         with (
@@ -168,10 +177,14 @@ def quiet_forward(
             for module in model.modules():
                 if isinstance(module, nn.modules.batchnorm._NormBase):
                     module.eval()
+            for module, _ in repacking:
+                setattr(module, _REPACK_FLAG, False)
             yield
     finally:
         for module, training in flags:
             module.training = training
+        for module, flag in repacking:
+            setattr(module, _REPACK_FLAG, flag)
 
 
 def _trace(
