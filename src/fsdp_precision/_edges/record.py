@@ -34,6 +34,7 @@ __all__ = [
     "ExportRecord",
     "KeptTensor",
     "RecordedCast",
+    "casts_json",
     "install_casts",
     "kept_tensors",
     "parse_casts",
@@ -126,7 +127,7 @@ class ExportRecord:
                 k.name: {"dtype": dtype_name(k.dtype), "reason": k.reason, "param": k.param}
                 for k in self.kept
             },
-            "casts": _casts_json(self.casts),
+            "casts": casts_json(self.casts),
             "torch_version": torch.__version__,
             "fsdp_precision_version": __version__,
         }
@@ -251,7 +252,8 @@ def recorded_casts(model: nn.Module) -> tuple[RecordedCast, ...]:
     return tuple(found)
 
 
-def _casts_json(casts: Sequence[RecordedCast]) -> dict[str, Any]:
+def casts_json(casts: Sequence[RecordedCast]) -> dict[str, Any]:
+    """``casts`` as a record's ``casts`` field (what :func:`parse_casts` reads back)."""
     return {
         c.module: {
             "inputs": dtype_name(c.cast.inputs),
@@ -283,5 +285,5 @@ def precision_record(model: nn.Module, layout: str) -> dict[str, Any]:
         "kept": {
             e.name: {"dtype": dtype_name(e.compute), "reason": e.kept} for e in entries if e.kept
         },
-        "casts": _casts_json(recorded_casts(model)),
+        "casts": casts_json(recorded_casts(model)),
     }

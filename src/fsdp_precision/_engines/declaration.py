@@ -32,7 +32,7 @@ import torch.nn as nn
 from fsdp_precision._base.dtypes import dtype_from_name, dtype_name
 from fsdp_precision._base.errors import CheckpointReadError, EngineDtypeError
 from fsdp_precision._edges.checkpoint.atomic import write_json
-from fsdp_precision._edges.record import EXPORT_RECORD, parse_casts
+from fsdp_precision._edges.record import EXPORT_RECORD, casts_json, parse_casts
 from fsdp_precision._engines.kept import EngineKept, kept_of_export, kept_of_stream
 
 if TYPE_CHECKING:
@@ -73,14 +73,7 @@ def declare_kept(model: nn.Module | WeightStream, path: str | os.PathLike[str]) 
             name: {"dtype": dtype_name(dtype), "reason": reasons[name]}
             for name, dtype in kept.tensors.items()
         },
-        "casts": {
-            c.module: {
-                "inputs": dtype_name(c.cast.inputs),
-                "outputs": c.cast.outputs,
-                "back": None if c.back is None else dtype_name(c.back),
-            }
-            for c in kept.casts
-        },
+        "casts": casts_json(kept.casts),
     }
     target.parent.mkdir(parents=True, exist_ok=True)
     write_json(target, document)
