@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and documentation
         PatchIntegrityError,
         PolicyNotAppliedError,
         RankMismatchError,
+        RoutingReplayError,
         UnitUsageError,
         UnsupportedTorchError,
     )
@@ -87,6 +88,7 @@ _EXPORTS: dict[str, str] = {
     "PatchIntegrityError": "fsdp_precision._base.errors",
     "PolicyNotAppliedError": "fsdp_precision._base.errors",
     "RankMismatchError": "fsdp_precision._base.errors",
+    "RoutingReplayError": "fsdp_precision._base.errors",
     "UnitUsageError": "fsdp_precision._base.errors",
     "UnsupportedTorchError": "fsdp_precision._base.errors",
     "__version__": "fsdp_precision._base.version",
@@ -138,6 +140,7 @@ __all__ = [
     "PrecisionPlan",
     "PrecisionRules",
     "RankMismatchError",
+    "RoutingReplayError",
     "UnitUsageError",
     "UnsupportedTorchError",
     "WeightMeta",

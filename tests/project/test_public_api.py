@@ -22,7 +22,7 @@ SURFACE = {
         "EngineDtypeError", "FsdpPrecisionError", "Glob", "Meshes", "ModuleCast", "ModuleClass", "ParamDtypeMapError",
         "ParamDtypeMixedPrecisionPolicy", "PatchIntegrityError", "PlannedParam", "PlannedUnit",
         "PolicyNotAppliedError",
-        "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "UnitUsageError", "UnsupportedTorchError",
+        "PrecisionAdvice", "PrecisionPlan", "PrecisionRules", "RankMismatchError", "RoutingReplayError", "UnitUsageError", "UnsupportedTorchError",
         "WeightMeta", "WeightStream",
         "__version__", "advise", "apply_param_dtype_map_patch", "auto_wrap_units",
         "compile_param_dtype_maps", "default_units", "full_weights", "is_param_dtype_map_patch_applied",
@@ -54,6 +54,10 @@ SURFACE = {
     "fsdp_precision.integrations.sglang": [
         "ARCHITECTURES", "READ_SGLANG", "DistributedUpdate", "FlatTensor", "SGLangSettings",
         "distributed_updates", "sglang_settings", "update_payloads",
+    ],
+    "fsdp_precision.replay": [
+        "MISSING", "RouteShape", "RoutingReplay", "RoutingReplayError", "batch_routes",
+        "from_sglang", "from_vllm", "spread",
     ],
     "fsdp_precision.testing": [
         "Collective", "CollectiveRecorder", "Comparison", "GatherProbe", "GatheredParam",

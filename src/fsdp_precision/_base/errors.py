@@ -124,3 +124,10 @@ class EngineDtypeError(FsdpPrecisionError, RuntimeError):
     """An inference engine would hold, or holds, a tensor training kept in another dtype (a
     router gate kept in fp32, rounded to bf16 by the engine), or computes a kept module
     otherwise: raised by name, before the engine serves, instead of degrading silently."""
+
+
+class RoutingReplayError(FsdpPrecisionError, ValueError):
+    """Routing replay cannot do what was asked: a model whose routers the library cannot replay
+    (named, with why), routes that do not fit the model (layers, top-k, expert ids) or the batch
+    (tokens per sequence), or a router that ran with replay attached and no routes set. Raised
+    before the forward computes with them; nothing falls back to live routing silently."""
