@@ -3,12 +3,13 @@
 vLLM runs the ``vllm.general_plugins`` entry points in each of its processes before any model is
 built (``pyproject.toml`` names :func:`register`); a user starts vLLM as always. ``register``
 replaces two layers in vLLM's out-of-tree layer registry (:mod:`.layers`), registers the
-integration's model classes over vLLM's for the architectures it builds (:mod:`.models`), and
-registers the backend of vLLM's RL API ``fsdp_precision_gloo`` (:mod:`.rl`). The first two
-behave as vLLM's own unless the engine is told that tensors are kept (an export's record, or a
-declaration: :func:`.hold.kept_of_config`): the plugin does nothing without its trigger, and
-says in one log line what it changed where it acts. ``VLLM_PLUGINS`` (vLLM's own setting) turns
-it off.
+integration's model classes over vLLM's for the architectures it builds (:mod:`.models`),
+registers the backend of vLLM's RL API ``fsdp_precision_gloo`` (:mod:`.rl`), and on vLLM's CPU
+build lets ``enable_return_routed_experts`` work on the V1 model runner (:mod:`.routes`: it acts
+only where that switch is on). The first two behave as vLLM's own unless the engine is told
+that tensors are kept (an export's record, or a declaration: :func:`.hold.kept_of_config`): the
+plugin does nothing without its trigger, and says in one log line what it changed where it acts.
+``VLLM_PLUGINS`` (vLLM's own setting) turns it off.
 
 vLLM does not catch what a plugin raises: a failure here would stop every launch in the
 environment, stock models included. So each step is fenced: one that fails (a vLLM internal
@@ -94,10 +95,20 @@ def _backend() -> None:
     register_backend()
 
 
+def _routes() -> None:
+    """vLLM's routed-experts capture on its CPU build's V1 model runner (:mod:`.routes`); that
+    step fences itself (a failure refuses ``enable_return_routed_experts`` by name, and leaves
+    kept models alone)."""
+    from fsdp_precision._engines.vllm.routes import install  # lazy: vLLM's internals
+
+    install()
+
+
 _STEPS: tuple[tuple[str, Callable[[], None]], ...] = (
     ("the layers", _layers),
     ("the model classes", _models),
     ("the weight-transfer backend", _backend),
+    ("the routed-experts capture", _routes),
 )
 
 

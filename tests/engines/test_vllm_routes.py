@@ -1,0 +1,204 @@
+"""vLLM's CPU build returns the experts its MoE layers routed to, as vLLM returns them on a GPU.
+
+The user's code is vLLM's own: ``LLM(..., enable_return_routed_experts=True)`` and
+``CompletionOutput.routed_experts``; the library's plugin (:mod:`fsdp_precision._engines.vllm.
+routes`) gives vLLM's capture the model runner the CPU build runs. Runs in vLLM's real runtime
+(its CPU build, in ``.venv-vllm``; elsewhere it skips), the engine in this process.
+
+The model: a tiny Qwen3-MoE (bf16, as released) whose first layer is dense (``mlp_only_layers``),
+so the format's absolute layer rows are visible. What vLLM selected is observed, not inferred: a
+forward hook on each layer's router (``GateLinear``) records the logits vLLM routed on, and the
+returned ids must be vLLM's top-k of those logits for every token and layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engines.vllm_runtime import import_vllm
+
+vllm = import_vllm()
+
+from fsdp_precision._engines.vllm import routes  # noqa: E402
+
+pytestmark = pytest.mark.integration
+LAYERS, EXPERTS, TOP_K = 3, 8, 2
+
+
+def prompt(seed: int, length: int) -> dict[str, list[int]]:
+    ids = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed))
+    return {"prompt_token_ids": ids.tolist()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-MoE base checkpoint at tiny size, its layer 0 dense."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=2,
+        max_position_embeddings=128, intermediate_size=128, moe_intermediate_size=32,
+        head_dim=32, num_key_value_heads=1, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        mlp_only_layers=[0],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("qwen3_moe_dense0") / "base"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def engine(path: Path, **kwargs: Any) -> Any:
+    return vllm.LLM(
+        model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+        enforce_eager=True, seed=0, block_size=32, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path) -> Any:
+    return engine(checkpoint, enable_return_routed_experts=True)
+
+
+def runner_of(llm: Any) -> Any:
+    return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def routers_of(llm: Any) -> dict[int, Any]:
+    """Each MoE layer's router object, by absolute layer index."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    return {
+        m.layer_id: m.router for m in runner_of(llm).model.modules() if isinstance(m, MoERunner)
+    }
+
+
+class GateLogits:
+    """The logits each MoE layer's router computed, one tensor per forward, in order."""
+
+    def __init__(self, llm: Any) -> None:
+        self.gates = {
+            int(name.split(".")[2]): module
+            for name, module in runner_of(llm).model.named_modules()
+            if name.endswith(".mlp.gate")
+        }
+        self.seen: dict[int, list[torch.Tensor]] = {i: [] for i in self.gates}
+
+    def __enter__(self) -> GateLogits:
+        def hook(layer: int) -> Any:
+            def record(module: Any, args: Any, output: Any) -> None:
+                logits = output[0] if isinstance(output, tuple) else output
+                self.seen[layer].append(logits.detach().clone())
+
+            return record
+
+        self.handles = [g.register_forward_hook(hook(i)) for i, g in self.gates.items()]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def selected(self) -> dict[int, torch.Tensor]:
+        """vLLM's own selection over what the routers computed: ``[tokens, top_k]`` per layer
+        (the CPU router's ``torch.topk`` of the logits, sorted per token)."""
+        return {
+            layer: torch.topk(torch.cat(seen), TOP_K, dim=-1, sorted=False)[1].sort(-1).values
+            for layer, seen in self.seen.items()
+        }
+
+
+def generate_one(llm: Any, request: dict[str, list[int]], **params: Any) -> tuple[Any, GateLogits]:
+    """One request alone (each forward's rows are its tokens), its router logits recorded."""
+    with GateLogits(llm) as logits:
+        (out,) = llm.generate(
+            [request], vllm.SamplingParams(temperature=0, **params), use_tqdm=False
+        )
+    return out, logits
+
+
+def test_the_plugin_binds_vllm_capture_to_every_moe_router(llm: Any) -> None:
+    assert routes.installed() and not routes.UNAVAILABLE
+    routers = routers_of(llm)
+    assert sorted(routers) == [1, 2]  # layer 0 is dense
+    assert all(r.capture_fn is not None for r in routers.values())
+    assert getattr(runner_of(llm), "_fsdp_precision_routes", None) is not None
+
+
+@pytest.mark.parametrize(
+    ("length", "params"),
+    [(24, {"max_tokens": 1, "prompt_logprobs": 0}), (13, {"max_tokens": 6, "ignore_eos": True})],
+    ids=["prompt_logprobs", "generation"],
+)
+def test_routes_in_vllm_format_are_what_vllm_selected(
+    llm: Any, length: int, params: dict[str, Any]
+) -> None:
+    request = prompt(100 + length, length)  # fresh tokens: nothing from the prefix cache
+    out, logits = generate_one(llm, request, **params)
+    generated = len(out.outputs[0].token_ids)
+    assert generated == params["max_tokens"]
+    routed = out.outputs[0].routed_experts
+    assert isinstance(routed, np.ndarray)
+    # vLLM's format: [prompt + generated - 1, num_hidden_layers, top_k], uint8 up to 256 experts
+    assert routed.shape == (length + generated - 1, LAYERS, TOP_K)
+    assert routed.dtype == np.uint8
+    assert not routed[:, 0].any()  # the dense layer's rows are zero
+    # every token (prompt rows, then each generated token fed back), every MoE layer: vLLM's
+    # top-k of the logits its router computed
+    selected = logits.selected()
+    assert sorted(selected) == [1, 2]
+    for layer, ids in selected.items():
+        assert ids.shape == (length + generated - 1, TOP_K)
+        got = torch.from_numpy(routed[:, layer].astype(np.int64)).sort(-1).values
+        assert torch.equal(got, ids), f"layer {layer}: {(got != ids).any(-1).nonzero()}"
+    assert len({tuple(r) for r in routed[:, 1]}) > 1  # routing varies: not a constant
+
+
+def test_a_batch_gets_each_request_its_own_rows_and_cached_prefixes_their_routes(
+    llm: Any,
+) -> None:
+    requests = [prompt(200 + i, 24 + 12 * i) for i in range(3)]
+    params = vllm.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+    first = llm.generate(requests, params, use_tqdm=False)
+    for request, out in zip(requests, first, strict=True):
+        routed = out.outputs[0].routed_experts
+        assert routed.shape == (len(request["prompt_token_ids"]) + 2, LAYERS, TOP_K)
+        assert not routed[:, 0].any() and (routed[:, 1:] < EXPERTS).all()
+    # alone, the same requests route the same (their full blocks now from vLLM's prefix cache)
+    for request, out in zip(requests, first, strict=True):
+        (again,) = llm.generate([request], params, use_tqdm=False)
+        np.testing.assert_array_equal(
+            again.outputs[0].routed_experts, out.outputs[0].routed_experts
+        )
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint: Path) -> Iterator[Any]:
+    yield engine(checkpoint)
+
+
+def test_negative_control_off_by_default_nothing_is_captured(plain: Any) -> None:
+    assert routes.installed()  # the plugin's patch is in this process, and stays inert
+    out, _ = generate_one(plain, prompt(300, 16), max_tokens=3, ignore_eos=True)
+    assert out.outputs[0].routed_experts is None
+    routers = routers_of(plain)
+    assert routers and all(r.capture_fn is None for r in routers.values())
+    assert getattr(runner_of(plain), "_fsdp_precision_routes", None) is None
+
+
+def test_without_the_capture_a_request_for_routes_is_refused_by_name(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(routes, "UNAVAILABLE", ["RuntimeError: vLLM 9.9 is outside the releases"])
+    args = vllm.EngineArgs(
+        model=str(checkpoint), skip_tokenizer_init=True, max_model_len=128,
+        enable_return_routed_experts=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"capture for it is not installed .*vLLM 9\.9.*TESTED"):
+        args.create_engine_config()
