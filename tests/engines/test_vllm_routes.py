@@ -192,13 +192,24 @@ def test_negative_control_off_by_default_nothing_is_captured(plain: Any) -> None
     assert getattr(runner_of(plain), "_fsdp_precision_routes", None) is None
 
 
+def test_a_compiled_cpu_engine_asking_for_routes_is_refused_by_name(checkpoint: Path) -> None:
+    # compiled, vLLM 0.32's CPU build traces the router into the graph and every row came back
+    # zero: the switch without enforce_eager is refused, not answered with zeros
+    args = vllm.EngineArgs(
+        model=str(checkpoint), skip_tokenizer_init=True, max_model_len=128,
+        enable_return_routed_experts=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs enforce_eager=True \(compilation mode \w+\)"):
+        args.create_engine_config()
+
+
 def test_without_the_capture_a_request_for_routes_is_refused_by_name(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(routes, "UNAVAILABLE", ["RuntimeError: vLLM 9.9 is outside the releases"])
     args = vllm.EngineArgs(
         model=str(checkpoint), skip_tokenizer_init=True, max_model_len=128,
-        enable_return_routed_experts=True,
+        enable_return_routed_experts=True, enforce_eager=True,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"capture for it is not installed .*vLLM 9\.9.*TESTED"):
         args.create_engine_config()

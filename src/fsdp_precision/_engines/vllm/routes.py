@@ -17,10 +17,14 @@ router kind vLLM's ``BaseRouter`` covers (softmax top-k, grouped top-k with a co
 custom routing functions), in vLLM's format, by vLLM's code.
 
 Acts only on the CPU platform, with the V1 model runner, where the switch is on; where V2 runs
-(a GPU), vLLM's own capture is used untouched. Every vLLM function called with a stand-in or
-relied on for its layout is source-hashed (:data:`SOURCES`), and the minor release is one of
-:data:`.archs.TESTED_VLLM`: otherwise nothing is patched, and a request for routes is refused by
-name (:data:`UNAVAILABLE`) rather than answered with ``None``.
+(a GPU), vLLM's own capture is used untouched. On the CPU build the engine must run eager
+(``enforce_eager=True``): compiled, vLLM traces its CPU router into the graph and the capture's
+writes are lost (every row zero), so a compiled engine asking for routes is refused by name;
+speculative decoding with routes is refused too (rejected drafts' rows are not dropped here).
+Every vLLM function called with a stand-in or relied on for its layout is source-hashed
+(:data:`SOURCES`), and the minor release is one of :data:`.archs.TESTED_VLLM`: otherwise nothing
+is patched, and a request for routes is refused by name (:data:`UNAVAILABLE`) rather than
+answered with ``None``.
 
 Imports vLLM inside its functions only: :func:`install` runs from :func:`.plugin.register`.
 """
@@ -127,6 +131,19 @@ def _verify(original: Any) -> Any:
                 f"({self.speculative_config.method!r}) on vLLM's CPU build: fsdp-precision's "
                 "capture for its V1 model runner keeps every scheduled token's row and cannot "
                 "drop rejected drafts. Serve without speculative_config to get routes"
+            )
+        from vllm.config.compilation import CompilationMode  # lazy: vLLM's config
+
+        mode = self.compilation_config.mode
+        if mode != CompilationMode.NONE:
+            # vLLM 0.32's CPU router is traced into the compiled graph (no custom-op boundary,
+            # unlike V2's MoE op on a GPU); the capture's writes did not reach its buffer there:
+            # every row came back zero. Eager, each row is the router's selection (tested).
+            raise ValueError(
+                "enable_return_routed_experts on vLLM's CPU build needs enforce_eager=True "
+                f"(compilation mode {getattr(mode, 'name', mode)}): its compiled graph traces "
+                "the MoE routers inline, where vLLM's capture of their expert ids is lost. Pass "
+                "enforce_eager=True (vllm serve: --enforce-eager)"
             )
         return original(_AsV2(self))  # type: ignore[no-any-return]
 
