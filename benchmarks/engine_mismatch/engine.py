@@ -1,13 +1,16 @@
 """An engine's side, in a process of its own: vLLM (in-process engine, its CPU build) on the
-held-out prompts, one at a time. Per prompt: the engine's logprob of each actual next token and,
-per MoE layer (a forward hook on vLLM's router module, ``GateLinear``), the engine's top-2
-experts and the top-2 the trainer's fp32 router gives on the engine's own hidden states (the
-ablation: the router's inputs are the engine's, only the router's precision differs).
+held-out prompts, one at a time. Per prompt: the engine's logprob of each actual next token, the
+experts it routed each token to (vLLM's own ``enable_return_routed_experts``) and, per MoE layer
+(a forward hook on vLLM's router module, ``GateLinear``), the engine's top-2 experts and the
+top-2 the trainer's fp32 router gives on the engine's own hidden states (the ablation: the
+router's inputs are the engine's, only the router's precision differs).
 
-    python -m engine_mismatch.engine EXPORT PROMPTS_JSON OUT_JSON
+    python -m engine_mismatch.engine EXPORT PROMPTS_JSON OUT_JSON TRAINED_EXPORT
 
-Started by :func:`run_engine` with the plugin on (the library's, which keeps the gates) or off
-(``VLLM_PLUGINS=lora_filesystem_resolver``: stock vLLM).
+Started by :func:`run_engine` on the export (kept: the plugin holds the gates in fp32) or on
+:func:`stock_export` of it (stock: the gates in bf16, as stock vLLM holds them, and no record,
+so the plugin leaves the model as vLLM builds it; on the CPU build it still drives vLLM's own
+route capture, which vLLM 0.32 runs only on Model Runner V2).
 """
 
 from __future__ import annotations
@@ -21,12 +24,35 @@ from typing import Any
 
 import torch
 
-STOCK_PLUGINS = "lora_filesystem_resolver"  # any plugin but the library's: stock vLLM
+
+def stock_export(export: str, out: str) -> str:
+    """A copy of ``export`` as stock vLLM would hold it: the router gates rounded to bf16 (what
+    stock vLLM's bf16 ``GateLinear`` makes of the fp32 tensors on load) and no export record."""
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_precision.checkpoint import EXPORT_RECORD
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for path in Path(export).iterdir():
+        if path.name == EXPORT_RECORD:
+            continue
+        if path.suffix == ".safetensors":
+            tensors = {
+                k: v.to(torch.bfloat16) if k.endswith("mlp.gate.weight") else v
+                for k, v in load_file(str(path)).items()
+            }
+            save_file(tensors, str(Path(out) / path.name), metadata={"format": "pt"})
+        else:
+            (Path(out) / path.name).write_bytes(path.read_bytes())
+    return out
 
 
 def run_engine(export: str, prompts_json: str, out_json: str, kept: bool) -> dict[str, Any]:
-    """Runs this module in a fresh interpreter (plugin on for ``kept``, off otherwise) and
-    returns what it wrote."""
+    """Runs this module in a fresh interpreter on ``export`` (for ``kept``) or on its
+    :func:`stock_export`, and returns what it wrote."""
+    trained = export  # the trainer's fp32 gates, for the ablation
+    if not kept:
+        export = stock_export(export, str(Path(out_json).with_suffix("")) + "-stock-export")
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -35,11 +61,11 @@ def run_engine(export: str, prompts_json: str, out_json: str, kept: bool) -> dic
             [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    if kept:
-        env.pop("VLLM_PLUGINS", None)
-    else:
-        env["VLLM_PLUGINS"] = STOCK_PLUGINS
-    command = [sys.executable, "-m", "engine_mismatch.engine", export, prompts_json, out_json]
+    env.pop("VLLM_PLUGINS", None)
+    command = [
+        *(sys.executable, "-m", "engine_mismatch.engine"),
+        *(export, prompts_json, out_json, trained),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         which = "kept" if kept else "stock"
@@ -60,21 +86,22 @@ def trainer_gates(export: str) -> dict[int, torch.Tensor]:
 
 
 @torch.no_grad()
-def engine_pass(export: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """The engine's logprobs and top-2 experts on ``prompts``, and the ablation's top-2."""
+def engine_pass(export: str, prompts: list[list[int]], trained: str) -> dict[str, Any]:
+    """The engine's logprobs, routes and top-2 experts on ``prompts``, and the ablation's top-2
+    (the fp32 gates of the ``trained`` export on the engine's router inputs)."""
     import vllm
 
     from engine_mismatch.trainer import topk
 
     llm = vllm.LLM(
         model=export, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-        enforce_eager=True, seed=0, enable_prefix_caching=False,
+        enforce_eager=True, seed=0, enable_return_routed_experts=True,
     )  # fmt: skip
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     gates = [m for m in model.modules() if isinstance(m, GateLinear)]
-    fp32 = trainer_gates(export)
+    fp32 = trainer_gates(trained)
     names = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("gate")})
     assert len(gates) == len(fp32), (len(gates), sorted(fp32), names)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -92,11 +119,13 @@ def engine_pass(export: str, prompts: list[list[int]]) -> dict[str, Any]:
         "logprobs": [],
         "top2": [],
         "ablation_top2": [],
+        "routes": [],
     }
     for prompt in prompts:
         seen.clear()
         result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         positions = result.prompt_logprobs[1:]
+        out["routes"].append(result.outputs[0].routed_experts.tolist())
         out["logprobs"].append(
             [pos[tok].logprob for pos, tok in zip(positions, prompt[1:], strict=True)]
         )
@@ -115,10 +144,10 @@ def engine_pass(export: str, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    """``EXPORT PROMPTS_JSON OUT_JSON``: the engine pass, written as JSON."""
-    export, prompts_json, out_json = sys.argv[1:4]
+    """``EXPORT PROMPTS_JSON OUT_JSON TRAINED_EXPORT``: the engine pass, written as JSON."""
+    export, prompts_json, out_json, trained = sys.argv[1:5]
     prompts = json.loads(Path(prompts_json).read_text())
-    Path(out_json).write_text(json.dumps(engine_pass(export, prompts)))
+    Path(out_json).write_text(json.dumps(engine_pass(export, prompts, trained)))
 
 
 if __name__ == "__main__":

@@ -94,20 +94,37 @@ def t_interval(values: list[float]) -> list[float] | None:
     return [mean - half, mean + half]
 
 
+#: The four setups: (a) stock engine, trainer live; (b) kept gates; (c) stock engine, trainer
+#: replaying its routes; (d) kept gates and replay.
+VARIANTS = ("stock", "kept", "stock_replay", "kept_replay")
+#: The paired differences reported, ``a - b``.
+PAIRS = (
+    ("kept", "stock"),
+    ("stock_replay", "stock"),
+    ("kept_replay", "stock"),
+    ("kept_replay", "kept"),
+    ("kept_replay", "stock_replay"),
+)
+
+
 def summarize(
-    reference: list[dict[str, Any]], kept: list[dict[str, Any]], stock: list[dict[str, Any]],
+    variants: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+    pairs: tuple[tuple[str, str], ...] = PAIRS,
     resamples: int = 2000,
-) -> dict[str, Any]:  # fmt: skip
-    """Per metric: each engine's per-seed values, pooled value, and both intervals; and the
-    paired difference kept - stock, with both intervals."""
-    layers = len(reference[0]["top2"][0])
+) -> dict[str, Any]:
+    """Per metric: each variant's (``name -> (trainer references, engine passes)``, per seed)
+    per-seed values, pooled value, and both intervals; and each pair's difference ``a - b``,
+    with both intervals (prompts resampled alike for every variant)."""
+    first = next(iter(variants.values()))[0]
+    layers = len(first[0]["top2"][0])
     sums = {
-        "kept": [prompt_sums(r, e) for r, e in zip(reference, kept, strict=True)],
-        "stock": [prompt_sums(r, e) for r, e in zip(reference, stock, strict=True)],
+        name: [prompt_sums(r, e) for r, e in zip(refs, engines, strict=True)]
+        for name, (refs, engines) in variants.items()
     }
     g = torch.Generator().manual_seed(0)
     picks = [
-        torch.randint(0, s.shape[0], (resamples, s.shape[0]), generator=g) for s in sums["kept"]
+        torch.randint(0, s.shape[0], (resamples, s.shape[0]), generator=g)
+        for s in next(iter(sums.values()))
     ]
     boot = {
         name: ratios(sum(s[i].sum(1) for s, i in zip(per_seed, picks, strict=True)), layers)
@@ -118,9 +135,9 @@ def summarize(
     }
     seeds = {name: [ratios(s.sum(0), layers) for s in per_seed] for name, per_seed in sums.items()}
     out: dict[str, Any] = {}
-    for metric in point["kept"]:
+    for metric in next(iter(point.values())):
         row: dict[str, Any] = {}
-        for name in ("kept", "stock"):
+        for name in sums:
             values = [float(s[metric]) for s in seeds[name]]
             row[name] = {
                 "pooled": float(point[name][metric]),
@@ -128,35 +145,36 @@ def summarize(
                 "t95_over_seeds": t_interval(values),
                 "bootstrap95_over_prompts": quantiles(boot[name][metric]),
             }
-        diffs = [
-            float(k[metric] - s[metric]) for k, s in zip(seeds["kept"], seeds["stock"], strict=True)
-        ]
-        row["kept_minus_stock"] = {
-            "pooled": float(point["kept"][metric] - point["stock"][metric]),
-            "per_seed": diffs,
-            "t95_over_seeds": t_interval(diffs),
-            "bootstrap95_over_prompts": quantiles(boot["kept"][metric] - boot["stock"][metric]),
-        }
+        for a, b in pairs:
+            diffs = [float(x[metric] - y[metric]) for x, y in zip(seeds[a], seeds[b], strict=True)]
+            row[f"{a}_minus_{b}"] = {
+                "pooled": float(point[a][metric] - point[b][metric]),
+                "per_seed": diffs,
+                "t95_over_seeds": t_interval(diffs),
+                "bootstrap95_over_prompts": quantiles(boot[a][metric] - boot[b][metric]),
+            }
         out[metric] = row
     maxima = {
-        name: [max_abs_d(r, e) for r, e in zip(reference, engines, strict=True)]
-        for name, engines in (("kept", kept), ("stock", stock))
+        name: [max_abs_d(r, e) for r, e in zip(refs, engines, strict=True)]
+        for name, (refs, engines) in variants.items()
     }
-    out["logprob_abs_diff_max"] = max_row(maxima["kept"], maxima["stock"])
+    out["logprob_abs_diff_max"] = max_row(maxima, pairs)
     return out
 
 
-def max_row(kept: list[float], stock: list[float]) -> dict[str, Any]:
-    """The largest |Δlogprob| per seed: each engine's and kept - stock, with t intervals (a
-    maximum has no bootstrap over prompts worth the name)."""
-    diffs = [k - s for k, s in zip(kept, stock, strict=True)]
+def max_row(maxima: dict[str, list[float]], pairs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The largest |Δlogprob| per seed: each variant's and each pair's difference, with t
+    intervals (a maximum has no bootstrap over prompts worth the name)."""
+    rows = dict(maxima)
+    for a, b in pairs:
+        rows[f"{a}_minus_{b}"] = [x - y for x, y in zip(maxima[a], maxima[b], strict=True)]
     return {
         name: {
             "per_seed": values,
             "mean": sum(values) / len(values),
             "t95_over_seeds": t_interval(values),
         }
-        for name, values in (("kept", kept), ("stock", stock), ("kept_minus_stock", diffs))
+        for name, values in rows.items()
     }
 
 

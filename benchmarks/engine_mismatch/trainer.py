@@ -1,6 +1,8 @@
 """The trainer's side: a Qwen3-MoE trained with the library's FSDP2 path on one gloo process
 (fp32 master weights, the router gates kept in fp32), exported, and its own forward on held-out
-prompts (the reference every engine is measured against)."""
+prompts (the reference every engine is measured against); later, the same trained model again,
+its forward replaying each engine's routes (``fsdp_precision.replay``), and what replay costs a
+training step."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench_advice_training import corpus  # Python's help text, bytes as tokens
@@ -27,6 +30,7 @@ class Size:
     batch: int  #: sequences per step
     seq: int  #: tokens per training sequence and per held-out prompt
     prompts: int  #: held-out prompts per seed
+    cost_pairs: int = 20  #: replay's cost: pairs of training steps with and without replay
 
 
 def build(size: Size, seed: int) -> torch.nn.Module:
@@ -54,17 +58,26 @@ def held_out_prompts(size: Size, seed: int) -> list[list[int]]:
     return [held_out[s : s + size.seq].tolist() for s in starts.tolist()]
 
 
-def train_and_export(size: Size, seed: int, export: str) -> dict[str, Any]:
-    """In the trainer's process (one gloo rank): train, export (bulk bf16, gates fp32, the
-    record) and return the trainer's reference on the held-out prompts of ``seed``."""
+def sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under the library's FSDP2 path: bf16 compute, the router gates kept in fp32."""
     import fsdp_precision as fp
+
+    rules = fp.PrecisionRules(rules=(fp.Glob("*.mlp.gate.weight"),), advice="off")
+    fp.compile_param_dtype_maps(model, rules, [*model.model.layers, model]).apply()
+    return model
+
+
+def train_and_export(size: Size, seed: int, export: str, state: str) -> dict[str, Any]:
+    """In the trainer's process (one gloo rank): train, export (bulk bf16, gates fp32, the
+    record), save the fp32 weights to ``state`` (for :func:`replay_pass`) and return the
+    trainer's reference on the held-out prompts of ``seed``."""
+    from torch.distributed.tensor import DTensor
+
     from fsdp_precision.checkpoint import export_safetensors
 
     data = corpus()
     train = data[: int(0.9 * data.numel())]
-    model = build(size, seed)
-    rules = fp.PrecisionRules(rules=(fp.Glob("*.mlp.gate.weight"),), advice="off")
-    fp.compile_param_dtype_maps(model, rules, [*model.model.layers, model]).apply()
+    model = sharded(build(size, seed))
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(seed)
     start, losses = time.perf_counter(), []
@@ -78,6 +91,11 @@ def train_and_export(size: Size, seed: int, export: str) -> dict[str, Any]:
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - start
     export_safetensors(model, export, dtype=BF16)
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+    torch.save(full, state)
     reference = reference_of(model, held_out_prompts(size, seed))
     tail = losses[-20:]
     reference["train"] = {
@@ -88,13 +106,23 @@ def train_and_export(size: Size, seed: int, export: str) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def reference_of(model: torch.nn.Module, prompts: list[list[int]]) -> dict[str, Any]:
+def reference_of(
+    model: torch.nn.Module, prompts: list[list[int]], routes: list[Any] | None = None
+) -> dict[str, Any]:
     """The trainer's own forward (bf16 compute, fp32 routers, as in training) on each prompt:
     the logprob of each actual next token; per MoE layer each token's top-2 experts (fp32 router
-    logits) and whether that top-2 changes when the gate weight is rounded to bf16 (a flip)."""
+    logits) and whether that top-2 changes when the gate weight is rounded to bf16 (a flip).
+    With ``routes`` (one engine's ``routed_experts`` per prompt), the forward replays them, and
+    ``top2`` is what the routers picked (the engine's ids, checked)."""
     from torch.distributed.tensor import DTensor
 
-    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    from fsdp_precision import replay
+
+    replaying = replay.RoutingReplay(model) if routes is not None else None
+
+    named = [(n, m) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    gates = [m for _, m in named]
+    gates_layers = [int(n.split(".")[2]) for n, _ in named]
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -105,21 +133,104 @@ def reference_of(model: torch.nn.Module, prompts: list[list[int]]) -> dict[str, 
         rounded = topk(torch.nn.functional.linear(hidden, full.to(BF16).float()))
         seen.append((exact, (exact != rounded).any(-1)))
 
+    picked: list[torch.Tensor] = []
     handles = [g.register_forward_hook(hook) for g in gates]
+    handles += [g.register_forward_hook(lambda m, a, o: picked.append(o[2])) for g in gates]
     model.eval()
     out: dict[str, Any] = {"logprobs": [], "top2": [], "flips": []}
-    for prompt in prompts:
+    for p, prompt in enumerate(prompts):
         seen.clear()
-        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+        picked.clear()
+        ids = torch.tensor([prompt])
+        if replaying is None:
+            logits = model(input_ids=ids).logits[0].float()
+        else:
+            # the engine's rows: prompt + 1 generated token - 1 = one per prompt token; the
+            # trainer's tokens are the prompt, the generated token cut off (truncation)
+            engine_rows = np.asarray(routes[p], dtype=np.uint8)  # JSON carried vLLM's uint8
+            sequence = replay.from_vllm(engine_rows, replaying.shape)
+            batch = replay.batch_routes(
+                [sequence], replaying.shape, attention_mask=torch.ones_like(ids), truncation="right"
+            )
+            with replaying.routes(batch):
+                logits = model(input_ids=ids).logits[0].float()
+            for layer, ids_of_layer in enumerate(picked):
+                want = sequence[:, gates_layers[layer]].long()
+                assert torch.equal(ids_of_layer, want), f"prompt {p} layer {layer}"
+            seen[:] = [(i.sort(-1).values, f) for i, (_, f) in zip(picked, seen, strict=True)]
         logprobs = torch.log_softmax(logits[:-1], -1)
         out["logprobs"].append(logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist())
         out["top2"].append([t.tolist() for t, _ in seen])
         out["flips"].append([f.tolist() for _, f in seen])
     for handle in handles:
         handle.remove()
+    if replaying is not None:
+        replaying.remove()
     return out
 
 
 def topk(logits: torch.Tensor) -> torch.Tensor:
     """Each row's top-2 expert indices, sorted (a set, comparable with ``==``)."""
     return logits.topk(TOP_K, -1).indices.sort(-1).values
+
+
+def replay_pass(
+    size: Size, seed: int, state: str, routes: dict[str, list[Any]], cost_pairs: int
+) -> dict[str, Any]:
+    """In a trainer's process: the trained model again (``state``), its forward on the held-out
+    prompts live and replaying each engine's routes, and replay's cost per training step
+    (forward + backward with and without replay, ``cost_pairs`` pairs, interleaved, order
+    alternating within a pair; the ratio of medians)."""
+    from fsdp_precision import replay
+
+    model = build(size, seed)
+    model.load_state_dict(torch.load(state, weights_only=True))
+    model = sharded(model)
+    prompts = held_out_prompts(size, seed)
+    out = {"live": reference_of(model, prompts)}
+    out |= {name: reference_of(model, prompts, r) for name, r in routes.items()}
+    model.train()
+    data = corpus()
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - size.seq, (size.batch,), generator=g)
+    ids = torch.stack([data[s : s + size.seq] for s in starts.tolist()])
+    picked: dict[int, torch.Tensor] = {}
+    gates = {int(n.split(".")[2]): m for n, m in model.named_modules() if n.endswith("mlp.gate")}
+    handles = [
+        m.register_forward_hook(lambda mod, a, o, i=i: picked.__setitem__(i, o[2]))
+        for i, m in gates.items()
+    ]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    live = torch.zeros(ids.numel(), size.layers, TOP_K, dtype=torch.int16)
+    for layer, chosen in picked.items():
+        live[:, layer] = chosen.to(torch.int16)
+    replaying = replay.RoutingReplay(model)
+
+    def step(with_replay: bool) -> float:
+        start = time.perf_counter()
+        if with_replay:
+            with replaying.routes(live):
+                model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            with replaying.live():
+                model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    step(True), step(False)  # warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(cost_pairs):
+        for flag in (i % 2 == 0, i % 2 != 0):
+            times[flag].append(step(flag))
+    replaying.remove()
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    out["cost"] = {
+        "pairs": cost_pairs,
+        "tokens_per_step": ids.numel(),
+        "seconds_median": {"replay": median[True], "live": median[False]},
+        "replay_over_live": median[True] / median[False],
+    }
+    return out
