@@ -308,4 +308,12 @@ def case_tied_parameter_in_a_grouped_call_under_hsdp() -> None:
 
 CASES = collect_cases(globals())
 
-globals().update(conformance_suites(4, __name__, CASES, compare=False))
+#: The grid cases whose threaded runs are in the opt-in tier (``-m slow``): each runs on spawned
+#: ranks by default, and the other cases run on threads there too.
+SLOW_THREADS = [
+    "case_communication_count",
+    "case_set_gradient_divide_factor_mixed_precision",
+    "case_set_reduce_scatter_max_input_buffers",
+]
+
+globals().update(conformance_suites(4, __name__, CASES, compare=False, slow_threads=SLOW_THREADS))

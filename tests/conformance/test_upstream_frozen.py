@@ -236,4 +236,8 @@ def case_multi_forward_mixed_requires_grad() -> dict[str, str]:
 
 CASES = collect_cases(globals())
 
-globals().update(conformance_suites(2, __name__, CASES))
+#: The grid case whose threaded runs are in the opt-in tier (``-m slow``): it runs on spawned
+#: ranks by default, and the other cases run on threads there too.
+SLOW_THREADS = ["case_train_mixed_requires_grad_per_group"]
+
+globals().update(conformance_suites(2, __name__, CASES, slow_threads=SLOW_THREADS))

@@ -294,4 +294,8 @@ def case_reduce_dtype_after_frozen_first_forward() -> None:
 
 CASES = collect_cases(globals())
 
-globals().update(conformance_suites(2, __name__, CASES))
+#: The grid case whose threaded runs are in the opt-in tier (``-m slow``): it runs on spawned
+#: ranks by default, and the other cases run on threads there too.
+SLOW_THREADS = ["case_compute_dtype"]
+
+globals().update(conformance_suites(2, __name__, CASES, slow_threads=SLOW_THREADS))

@@ -226,9 +226,9 @@ def run_cases(
             failures = [o for o in outcomes if o != OK and not o.startswith(SKIP)]
             skips = [o for o in outcomes if o.startswith(SKIP)]
             merged[name] = failures[0] if failures else (skips[0] if skips else OK)
-        _values[(module, threads, patch)] = {
-            name: [r["values"].get(name) for r in reports] for name in cases
-        }
+        _values.setdefault((module, threads, patch), {}).update(
+            {name: [r["values"].get(name) for r in reports] for name in cases}
+        )
         return merged
 
 
@@ -251,6 +251,7 @@ def distributed_suite(
     *,
     threads: bool = False,
     patch: bool = True,
+    slow: Sequence[str] = (),
 ) -> tuple[Any, Any]:
     """A module's distributed tests: ``results, test_x = distributed_suite(2, __name__, CASES)``.
 
@@ -258,18 +259,38 @@ def distributed_suite(
     checks one case each. One module may hold several suites of different kinds (``threads``,
     ``patch``, see :func:`run_cases`): the fixture is named ``results`` for the default kind,
     ``results_threads``, ``results_unpatched``, ``results_threads_unpatched`` otherwise.
+
+    ``slow``: cases (of ``cases``) in the opt-in tier (``pytest -m slow``), each test marked
+    ``slow``; they run in a process group of their own, started when the first of them runs, so
+    the default tier never spends their time.
     """
     name = "results" + ("_threads" if threads else "") + ("" if patch else "_unpatched")
+    opt_in = [c for c in cases if c in slow]
+    default = [c for c in cases if c not in slow]
+    assert len(opt_in) == len(set(slow)), f"slow cases not in the suite: {set(slow) - set(cases)}"
 
     @pytest.fixture(scope="module", name=name)
     def results() -> dict[str, str]:
-        return run_cases(world_size, module, cases, threads=threads, patch=patch)
+        return run_cases(world_size, module, default, threads=threads, patch=patch)
+
+    slow_results: dict[str, str] = {}
+
+    def results_slow() -> dict[str, str]:
+        if not slow_results:
+            slow_results.update(run_cases(world_size, module, opt_in, threads=threads, patch=patch))
+        return slow_results
+
+    params = [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+
+    def outcome(request: pytest.FixtureRequest, case: str) -> str:
+        return (results_slow() if case in slow else request.getfixturevalue(name))[case]
 
     @pytest.mark.distributed
-    @pytest.mark.parametrize("case", cases)
+    @pytest.mark.parametrize("case", params)
     def test_case(request: pytest.FixtureRequest, case: str) -> None:
-        check(request.getfixturevalue(name)[case])
+        check(outcome(request, case))
 
+    test_case.outcome = outcome  # type: ignore[attr-defined]
     return results, test_case
 
 
@@ -283,28 +304,49 @@ CONFORMANCE_KINDS = {
 
 
 def conformance_suites(
-    world_size: int, module: str, cases: Sequence[str], *, compare: bool = True
+    world_size: int,
+    module: str,
+    cases: Sequence[str],
+    *,
+    compare: bool = True,
+    slow_threads: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A conformance module's tests, for ``globals().update(...)``: its cases on spawned gloo
     ranks and on threads (torch's threaded process group), each with the patch applied and on
     torch alone; with ``compare``, ``test_same_as_torch_alone``: where a case returns
     ``{kind: digest}`` (what it computed and communicated, one digest per way of building the
     policy, see ``tests.conformance.kinds``), every kind's digest under the patch equals the
-    ``"upstream"`` digest on torch alone, rank by rank, in the same process-group kind."""
+    ``"upstream"`` digest on torch alone, rank by rank, in the same process-group kind.
+    ``slow_threads``: cases whose threaded runs (and their comparison) are in the opt-in tier
+    (``-m slow``); the default tier still runs them on spawned ranks, patched and on torch alone.
+    """
     suites: dict[str, Any] = {}
     for name, (threads, patch) in CONFORMANCE_KINDS.items():
-        fixture, test = distributed_suite(world_size, module, cases, threads=threads, patch=patch)
+        slow = slow_threads if threads else ()
+        fixture, test = distributed_suite(
+            world_size, module, cases, threads=threads, patch=patch, slow=slow
+        )
         suites[f"results_{name}"], suites[f"test_{name}"] = fixture, test
     if not compare:
         return suites
 
+    params = [
+        pytest.param(
+            case,
+            threads,
+            id=f"{case}-{'threads' if threads else 'processes'}",
+            marks=[pytest.mark.slow] if threads and case in slow_threads else [],
+        )
+        for case in cases
+        for threads in (False, True)
+    ]
+
     @pytest.mark.distributed
-    @pytest.mark.parametrize("threads", [False, True], ids=["processes", "threads"])
-    @pytest.mark.parametrize("case", cases)
-    def test_same_as_torch_alone(request: pytest.FixtureRequest, threads: bool, case: str) -> None:
-        prefix = "results_threads" if threads else "results"
-        for suffix in ("", "_unpatched"):
-            check(request.getfixturevalue(prefix + suffix)[case])
+    @pytest.mark.parametrize(("case", "threads"), params)
+    def test_same_as_torch_alone(request: pytest.FixtureRequest, case: str, threads: bool) -> None:
+        prefix = "threads" if threads else "processes"
+        for kind in (f"{prefix}_patched", f"{prefix}_torch"):
+            check(suites[f"test_{kind}"].outcome(request, case))
         patched = case_values(module, threads=threads, patch=True)[case]
         alone = case_values(module, threads=threads, patch=False)[case]
         if all(v is None for v in patched):
