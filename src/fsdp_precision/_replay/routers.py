@@ -28,6 +28,15 @@ REFUSED: dict[str, str] = {
     "SwitchTransformersTop1Router": "it picks one expert by argmax, not by a top-k",
     "NllbMoeTop2Router": "it picks by argmax twice and drops its second expert at random",
     "DbrxRouter": "it returns logits only; its experts module selects, outside the router",
+    "JetMoeTopKGating": (
+        "each JetMoE decoder layer routes twice, its attention experts (JetMoeMoA) and its MLP "
+        "experts (JetMoeMoE) each by a JetMoeTopKGating, and routes hold one row per layer"
+    ),
+    "Ernie4_5_VLMoeMoeTopKRouter": (
+        "each decoder layer routes text tokens by its text_moe gate and image and video tokens "
+        "by its vision_moe gate, each over a subset of the batch, and routes hold one row per "
+        "token and layer for every router"
+    ),
 }
 
 #: Router classes that name their expert count and top-k otherwise: (experts, top-k), dotted
@@ -35,6 +44,9 @@ REFUSED: dict[str, str] = {
 ATTRIBUTES: dict[str, tuple[str, str]] = {
     "Gemma4TextRouter": ("config.num_experts", "config.top_k_experts"),
     "DiffusionGemmaTextRouter": ("config.num_experts", "config.top_k_experts"),
+    # Its top-k picks among n_routed_experts (the routed experts plus the zero-computation
+    # ones); num_experts counts the routed experts only.
+    "LongcatFlashTopkRouter": ("n_routed_experts", "top_k"),
 }
 
 _ROUTER_NAME = re.compile(r"(Router|Gating|Gate)$")
