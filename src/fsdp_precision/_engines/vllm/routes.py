@@ -17,10 +17,11 @@ router kind vLLM's ``BaseRouter`` covers (softmax top-k, grouped top-k with a co
 custom routing functions), in vLLM's format, by vLLM's code.
 
 Acts only on the CPU platform, with the V1 model runner, where the switch is on; where V2 runs
-(a GPU), vLLM's own capture is used untouched. On the CPU build the engine must run eager
-(``enforce_eager=True``): compiled, vLLM traces its CPU router into the graph and the capture's
-writes are lost (every row zero), so a compiled engine asking for routes is refused by name;
-speculative decoding with routes is refused too (rejected drafts' rows are not dropped here).
+(a GPU), vLLM's own capture is used untouched. Compiled (the CPU build's default), vLLM traces its
+CPU router into the model's graph, where its capture callback would be lost: the callbacks go
+through an op the graph keeps (:mod:`.capture`), bound before the warm-up traces the graph, and
+the op keys vLLM's compile cache (:data:`CACHE_KEY`). Speculative decoding with routes is refused
+(rejected drafts' rows are not dropped here).
 Every vLLM function called with a stand-in or relied on for its layout is source-hashed
 (:data:`SOURCES`), and the minor release is one of :data:`.archs.TESTED_VLLM`: otherwise nothing
 is patched, and a request for routes is refused by name (:data:`UNAVAILABLE`) rather than
@@ -41,9 +42,10 @@ from typing import Any
 import numpy as np
 
 from fsdp_precision._base.sources import check_sources, lookup
+from fsdp_precision._engines.vllm import capture
 from fsdp_precision._engines.vllm.archs import UNTESTED_ENV, tested
 
-__all__ = ["SOURCES", "UNAVAILABLE", "install", "installed"]
+__all__ = ["CACHE_KEY", "SOURCES", "UNAVAILABLE", "install", "installed"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,24 @@ SOURCES: dict[str, str] = {
     "vllm.distributed.aux_output_connector.worker:PendingAuxOutput.enqueue_cpu_copy": (
         "49b887e1253d8afa6d039bb65dbf1e5bda0a5275b14ea9eb4dbeaaa0c1226d74"
     ),
+    # its capturer (``_capturer``) is the one the op hands each step's ids to
+    "vllm.distributed.aux_output_connector.worker:AuxOutputWorkerConnector.__init__": (
+        "2c471ba2e608bd4ccaaa65bca79969ebaba80ecb921d1929e06b6f1c8913b923"
+    ),
+    # the routers it binds are the ones :func:`.capture.bind` binds
+    "vllm.model_executor.layers.fused_moe.routed_experts_capturer:bind_routed_experts_capturer": (
+        "8e00209b2fbb9eda6530b357b19c8464b0d8000877351421bcb72f95f6d82a6c"
+    ),
+    # calls ``capture_fn`` with the router's logical ids, before any load-balancing remap
+    "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter._select_experts": (
+        "116bab6917a85a1080aee757d35a696b1863979ac7737debea61cdb6bc1c9177"
+    ),
     # wrapped: the connector is built after it, as V2 builds it after its KV cache
     f"{_RUNNER}.initialize_kv_cache": (
         "0f18d097f7cb4e029e93a9be32d50d3d1bcba85829ef4da95928c4efcc1ee241"
     ),
+    # wrapped: the routers call the op from the model's build on, before the warm-up traces it
+    f"{_RUNNER}.load_model": "8cde22d6a33ff9d3afbf32a1cd1d71de59bb2aff81428081915b32fdf61d8ba5",
 }
 
 #: Why the capture is not installed in this process (empty where it is, or where it is not
@@ -74,6 +90,8 @@ SOURCES: dict[str, str] = {
 UNAVAILABLE: list[str] = []
 
 _ORIGINALS: dict[str, Any] = {}
+#: The key of vLLM's ``additional_config`` that keys its compile cache by the capture's op.
+CACHE_KEY = "fsdp_precision_routes"
 _CONNECTOR = "_fsdp_precision_routes"  # the runner's AuxOutputWorkerConnector
 _PENDING = "_fsdp_precision_routes_pending"  # one step's rows, between forward and sampling
 
@@ -132,19 +150,10 @@ def _verify(original: Any) -> Any:
                 "capture for its V1 model runner keeps every scheduled token's row and cannot "
                 "drop rejected drafts. Serve without speculative_config to get routes"
             )
-        from vllm.config.compilation import CompilationMode  # lazy: vLLM's config
-
-        mode = self.compilation_config.mode
-        if mode != CompilationMode.NONE:
-            # vLLM 0.32's CPU router is traced into the compiled graph (no custom-op boundary,
-            # unlike V2's MoE op on a GPU); the capture's writes did not reach its buffer there:
-            # every row came back zero. Eager, each row is the router's selection (tested).
-            raise ValueError(
-                "enable_return_routed_experts on vLLM's CPU build needs enforce_eager=True "
-                f"(compilation mode {getattr(mode, 'name', mode)}): its compiled graph traces "
-                "the MoE routers inline, where vLLM's capture of their expert ids is lost. Pass "
-                "enforce_eager=True (vllm serve: --enforce-eager)"
-            )
+        if isinstance(self.additional_config, dict):
+            # vLLM hashes this dict into its compile-cache key: a graph traced without the
+            # capture's op (the switch off, or another build) is never loaded for one with it
+            self.additional_config[CACHE_KEY] = capture.OP
         return original(_AsV2(self))  # type: ignore[no-any-return]
 
     return verify
@@ -170,6 +179,7 @@ def _initialize_kv_cache(original: Any) -> Any:
         connector = get_aux_output_connector(
             self.get_model(), self.vllm_config, bound.arguments["kv_cache_config"]
         )
+        capture.bind(self.get_model())  # vLLM's callbacks, through an op a graph keeps
         setattr(self, _CONNECTOR, connector)
         setattr(self, _PENDING, None)
         logger.info(
@@ -181,6 +191,17 @@ def _initialize_kv_cache(original: Any) -> Any:
     return initialize_kv_cache
 
 
+def _load_model(original: Any) -> Any:
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if self.vllm_config.aux_output_config.enabled:
+            capture.bind(self.get_model())  # before the warm-up traces the graph
+        return result
+
+    return load_model
+
+
 def _execute_model(original: Any) -> Any:
     @functools.wraps(original)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -190,7 +211,8 @@ def _execute_model(original: Any) -> Any:
         # V2: the step's requests and block hashes registered before the forward
         connector.begin_step(scheduler_output.aux_output_connector_metadata)
         setattr(self, _PENDING, None)
-        result = original(self, scheduler_output, *args, **kwargs)
+        with capture.stepping(connector._capturer):
+            result = original(self, scheduler_output, *args, **kwargs)
         if self.execute_model_state is None:
             return result  # no forward ran: no request emits a token this step
         n = self.input_batch.num_reqs
@@ -249,6 +271,7 @@ def _shutdown(original: Any) -> Any:
 
 
 _WRAPPERS = {
+    "load_model": _load_model,
     "initialize_kv_cache": _initialize_kv_cache,
     "execute_model": _execute_model,
     "sample_tokens": _sample_tokens,
@@ -310,6 +333,7 @@ def install() -> None:
             _patch(_CONFIG, _verify)  # refuses by name while UNAVAILABLE lists a reason
         if reasons:
             raise RuntimeError("; ".join(reasons))
+        capture.define()  # before any graph that calls it is compiled or loaded
         for name, wrap in _WRAPPERS.items():
             runner.append(f"{_RUNNER}.{name}")
             _patch(runner[-1], wrap)
