@@ -17,8 +17,8 @@ same processes, so every time is a ratio measured paired and interleaved.
 The models: a Qwen3-MoE (4 layers, 8 experts, hidden 128) with its routers kept, and a Llama
 (4 layers) with its norms kept, fp32 master weights, 2 gloo ranks, one unit per decoder layer and
 the root (``benchmarks/peers/harness.py`` says what is measured). ``--smoke``: 2 layers, hidden
-64, 2 steps, the same code path. Prints JSON; ``--markdown`` writes the table
-``docs/compared.md`` quotes.
+64, 2 steps, one peer's memory per family (the library's), the same code path. Prints JSON;
+``--markdown`` writes the table ``docs/compared.md`` quotes.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def run_here(names: list[str], family: str, args: argparse.Namespace) -> dict[st
     runs = launch(
         _measure, (names, family, args.steps, args.smoke), nproc=args.nproc, start_method="spawn"
     )
-    for name in names:
+    # --smoke: the memory of one peer (the library, or the peer of a venv of its own) per family
+    for name in [n for n in names if n != "torch_uniform"][:1] if args.smoke else names:
         runs[name]["memory"] = launch(
             _memory, (name, family, 3, args.smoke), nproc=args.nproc, start_method="spawn"
         )

@@ -5,7 +5,8 @@ Tiers, each runnable alone (the README's ``./dev test`` runs them all):
 - ``fast``: in the test process, no spawned ranks and no integration package;
 - ``distributed``: spawns gloo process groups (``tests.support.harness``);
 - ``integration``: the real framework packages (``tests/integrations/``);
-- ``slow``: opt-in (``pytest -m slow``), released model sizes; skipped otherwise.
+- ``slow``: opt-in (``pytest -m slow``), released model sizes and the repeats of a grid (the
+  default tier keeps one case per behaviour); skipped otherwise.
 
 Across them, ``conformance`` (``tests/conformance/``): the library's ports of PyTorch's own FSDP2
 tests and of the seed's edge cases, on spawned gloo ranks and on threads of one process (torch's
@@ -35,7 +36,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     opted_in = "slow" in (config.getoption("-m") or "")
     for item in items:
         if "slow" in item.keywords and not opted_in:
-            item.add_marker(pytest.mark.skip(reason="opt-in: released sizes, run with -m slow"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="opt-in: released sizes, a grid's repeats; run with -m slow"
+                )
+            )
         if _CONFORMANCE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.conformance)
         if _INTEGRATIONS in Path(str(item.fspath)).parents:
