@@ -71,6 +71,13 @@ RUNS = [
         "top-2 as the policy's in 2/2 layers",
     ),
     (
+        "rl_replay_vllm.py",
+        (),
+        2,
+        ("vllm",),
+        "step 2: trainer routed as the engine on",
+    ),
+    (
         "compile_float8_checkpointing.py",
         (),
         2,
@@ -90,6 +97,7 @@ RUN_IN = {
     ("lightning_fabric_qwen3_moe.py", ()): "tests/integrations/test_lightning.py",
     ("transformers_native_qwen3_moe.py", ()): "tests/integrations/test_transformers_native.py",
     ("rl_handoff_vllm.py", ()): "tests/engines/test_vllm.py",
+    ("rl_replay_vllm.py", ()): "tests/engines/test_vllm_replay_example.py",
 }
 LAUNCHED = [r for r in RUNS if (r[0], r[1]) not in RUN_IN]
 
