@@ -52,8 +52,10 @@ NOT_ROUTERS: dict[str, str] = {
     "KimiLinearForgetGate": "the linear attention's forget gate",
     "MuseSparkResidualGate": "scales the residual and the hidden states",
 }
-#: MoE families whose experts are picked without a router class, and the module that picks.
-WITHOUT_ROUTER_CLASS = {"doge": "DogeCDMoE"}
+#: MoE families whose experts are picked without a router class: the module that picks, and how.
+WITHOUT_ROUTER_CLASS = {
+    "doge": ("DogeCDMoE", "product keys: a top-k over sqrt(experts) keys twice, then over pairs"),
+}
 #: Config fields some families need beyond the shared tiny sizes.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "axk1": {"head_dim": 8, "num_key_value_heads": 4},  # multi-head latent attention
@@ -87,6 +89,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "mlp_layer_types": ["sparse", "sparse"],
     },
     "hy_v4_vl_text": {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
+    "zaya": {"num_experts_per_tok": 1},  # its only top-k
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
 }
 
@@ -208,6 +211,9 @@ def _experts_see(router: nn.Module, output: Any, tokens: int, top_k: int) -> tor
         experts = torch.repeat_interleave(torch.arange(len(expert_size)), torch.tensor(expert_size))
         chosen = torch.zeros(tokens, len(expert_size), dtype=torch.bool)
         chosen[batch_index, experts] = True
+    elif name == "ZayaRouter":  # its skip class (id num_experts) goes on as expert 0, weight 0
+        ids = output[2].masked_fill(output[1].eq(0), router.num_experts)
+        return ids.reshape(tokens, top_k).sort(-1).values
     else:  # the last integer tensor it returns
         ids = [o for o in output if isinstance(o, torch.Tensor) and not o.is_floating_point()][-1]
         return ids.reshape(tokens, top_k).sort(-1).values
@@ -323,7 +329,8 @@ def screen(model_type: str, family: str = "") -> dict[str, str]:
     routers = [n for n in names if n in REFUSED] or [
         n for n in names if n in router_classes() and n not in NOT_ROUTERS
     ]
-    row["router"] = routers[0] if routers else WITHOUT_ROUTER_CLASS.get(family, "")
+    picker, how = WITHOUT_ROUTER_CLASS.get(family, ("", ""))
+    row["router"] = routers[0] if routers else picker
     try:
         row["why"] = check(model)
         row["status"] = "replays"
@@ -331,6 +338,7 @@ def screen(model_type: str, family: str = "") -> dict[str, str]:
         row["why"] = str(exc)
         row["status"] = "refused" if "routing replay cannot drive" in row["why"] else "fails"
         row["status"] = "refused" if "has no router" in row["why"] else row["status"]
+        row["why"] += f" ({picker} picks by {how})" if how else ""
     except Exception as exc:
         row["why"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return row

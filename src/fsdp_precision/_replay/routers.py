@@ -47,6 +47,9 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     # Its top-k picks among n_routed_experts (the routed experts plus the zero-computation
     # ones); num_experts counts the routed experts only.
     "LongcatFlashTopkRouter": ("n_routed_experts", "top_k"),
+    # Its top-k picks among num_router_classes: the experts plus a skip class (id num_experts,
+    # handed on as expert 0 with weight 0).
+    "ZayaRouter": ("num_router_classes", "top_k"),
 }
 
 _ROUTER_NAME = re.compile(r"(Router|Gating|Gate)$")
@@ -154,6 +157,13 @@ def find_routers(model: nn.Module) -> tuple[tuple[FoundRouter, ...], RouteShape]
             f"routers sit in {len(decoders)} decoders ({', '.join(sorted(decoders.values()))}): "
             "routes come for one decoder; replay the submodule that holds it"
         )
+    by_layer: dict[int, str] = {}
+    for router in found:
+        if (other := by_layer.setdefault(router.layer, router.fqn)) != router.fqn:
+            raise RoutingReplayError(
+                f"routers {other!r} and {router.fqn!r} both sit in decoder layer {router.layer}: "
+                "the engines give one row of routes per token and layer"
+            )
     if len(sizes) > 1:
         described = ", ".join(f"{f!r}: {e} experts, top-{k}" for (e, k), f in sizes.items())
         raise RoutingReplayError(f"routers disagree on their experts or top-k: {described}")
