@@ -53,6 +53,12 @@ class PhimoeTopKRouter(ToyRouter):
     """Named as transformers' Phimoe router, which replay refuses."""
 
 
+def _two() -> nn.Module:
+    model = decoder(ToyRouter())
+    model.layers[0].attn_gate = ToyRouter()
+    return model
+
+
 def _forwards(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in vars(m)]
 
@@ -68,6 +74,7 @@ REFUSALS = {
         {"thinker": decoder(ToyRouter()), "talker": decoder(ToyRouter())}
     ),
     "routers disagree on their experts or top-k": lambda: decoder(ToyRouter(4), ToyRouter(8)),
+    "'layers.0.mlp.gate' and 'layers.0.attn_gate' both sit in decoder layer 0": lambda: _two(),
     "Module has no router routing replay can drive": lambda: decoder(None, None),
 }
 
