@@ -56,38 +56,36 @@ NOT_ROUTERS: dict[str, str] = {
 WITHOUT_ROUTER_CLASS = {
     "doge": ("DogeCDMoE", "product keys: a top-k over sqrt(experts) keys twice, then over pairs"),
 }
+SPARSE = ["sparse", "sparse"]  # both decoder layers MoE
 #: Config fields some families need beyond the shared tiny sizes.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "axk1": {"head_dim": 8, "num_key_value_heads": 4},  # multi-head latent attention
     "axk2": {"head_dim": 8, "num_key_value_heads": 4},
     "mistral_large4_text": {"head_dim": 8, "num_key_value_heads": 4},
-    "beam": {"mlp_layer_types": ["sparse", "sparse"]},
-    "dbrx": {
-        "d_model": 64,
-        "n_heads": 4,
-        "n_layers": 2,
-        "max_seq_len": 64,
-        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
-        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
-    },
+    "beam": {"mlp_layer_types": SPARSE},
+    "dbrx": dict(  # its own names for the sizes
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     "dots1": {"n_shared_experts": 1},
     "dots3_note_text": {"num_key_value_heads": 4},
     "ernie4_5_vl_moe_text": {
         "moe_intermediate_size": [32, 32],
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [3, 3, 2]},
     },
-    "deepseek_ocr2_text": {"mlp_layer_types": ["sparse", "sparse"]},
+    "deepseek_ocr2_text": {"mlp_layer_types": SPARSE},
     "diffusion_gemma_text": {"enable_moe_block": True, "top_k_experts": 2},
-    "step3p7": {"mlp_layer_types": ["sparse", "sparse"], "sliding_window": 16},
+    "step3p7": {"mlp_layer_types": SPARSE, "sliding_window": 16},
     "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 32},
     "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},
     "glm4v_moe_text": {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
-    "glm5_next_text": {
-        "num_key_value_heads": 4,
-        "index_kpool": 2,
-        "qk_rope_head_dim": 0,
-        "mlp_layer_types": ["sparse", "sparse"],
-    },
+    "glm5_next_text": dict(
+        num_key_value_heads=4, index_kpool=2, qk_rope_head_dim=0, mlp_layer_types=SPARSE
+    ),
     "hy_v4_vl_text": {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
     "zaya": {"num_experts_per_tok": 1},  # its only top-k
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
@@ -239,35 +237,35 @@ def _forward(model: nn.Module, replay: Any, ids: torch.Tensor, record: bool) -> 
     shape, tokens = replay.shape, ids.numel()
     recorded: dict[str, list[torch.Tensor]] = {}
     seen: dict[str, torch.Tensor] = {}
-    handles = []
-    for r in replay.routers:
+    modes: list[_Record] = []  # entered in the router's pre-hook, left in its hook
 
-        def pre(module: nn.Module, args: Any) -> None:
-            if record:
-                mode = _Record(shape.top_k, shape.num_experts)
-                mode.__enter__()
-                module._screen_mode = mode  # type: ignore[assignment]
+    def pre(module: nn.Module, args: Any) -> None:
+        if record:
+            modes.append(_Record(shape.top_k, shape.num_experts).__enter__())
 
-        def post(module: nn.Module, args: Any, output: Any, fqn: str = r.fqn) -> None:
-            if record:
-                mode = module._screen_mode  # type: ignore[attr-defined]
-                mode.__exit__(None, None, None)
-                recorded[fqn] = mode.ids
-            output = output if isinstance(output, tuple) else (output,)
-            seen[fqn] = _experts_see(module, output, tokens, shape.top_k)
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        fqn = fqns[id(module)]
+        if record:
+            mode = modes.pop()
+            mode.__exit__(None, None, None)
+            recorded[fqn] = mode.ids
+        output = output if isinstance(output, tuple) else (output,)
+        seen[fqn] = _experts_see(module, output, tokens, shape.top_k)
 
-        handles += [r.module.register_forward_pre_hook(pre), r.module.register_forward_hook(post)]
+    fqns = {id(r.module): r.fqn for r in replay.routers}
+    handles = [
+        h
+        for r in replay.routers
+        for h in (r.module.register_forward_pre_hook(pre), r.module.register_forward_hook(post))
+    ]
     try:
         logits = _outputs(model, ids)
     finally:
         for h in handles:
             h.remove()
+        while modes:  # a router that raised: leave its mode
+            modes.pop().__exit__(None, None, None)
     return logits, recorded, seen
-
-
-def _gate_weights(router: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The router's weight matrices (the gate's, and a router MLP's)."""
-    return [(n, p) for n, p in router.named_parameters() if n.endswith("weight") and p.dim() > 1]
 
 
 def check(model: nn.Module) -> str:
@@ -277,9 +275,8 @@ def check(model: nn.Module) -> str:
 
     replay = RoutingReplay(model)
     shape = replay.shape
-    ids = torch.randint(
-        1, keep.SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1)
-    )
+    seeded = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, keep.SMALL["vocab_size"], (2, 8), generator=seeded)
     with replay.live(), torch.no_grad():
         live, recorded, live_seen = _forward(model, replay, ids, record=True)
     routes = torch.full((ids.numel(), shape.layers, shape.top_k), -1, dtype=torch.long)
@@ -301,7 +298,8 @@ def check(model: nn.Module) -> str:
     for r in replay.routers:
         want = other[:, r.layer].sort(-1).values
         assert torch.equal(seen[r.fqn], want), f"{r.fqn} handed its experts other ids"
-        weights = _gate_weights(r.module)
+        params = r.module.named_parameters()  # its weight matrices: the gate's, a router MLP's
+        weights = [(n, p) for n, p in params if n.endswith("weight") and p.dim() > 1]
         assert weights, f"{r.fqn} has no weight"
         for n, p in weights:
             assert p.grad is not None and bool(p.grad.isfinite().all()), f"{r.fqn}.{n}: grad"
@@ -336,8 +334,8 @@ def screen(model_type: str, family: str = "") -> dict[str, str]:
         row["status"] = "replays"
     except RoutingReplayError as exc:
         row["why"] = str(exc)
-        row["status"] = "refused" if "routing replay cannot drive" in row["why"] else "fails"
-        row["status"] = "refused" if "has no router" in row["why"] else row["status"]
+        named = "routing replay cannot drive" in row["why"] or "has no router" in row["why"]
+        row["status"] = "refused" if named else "fails"
         row["why"] += f" ({picker} picks by {how})" if how else ""
     except Exception as exc:
         row["why"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
