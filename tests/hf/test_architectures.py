@@ -3,6 +3,11 @@
 Two training setups per architecture: fp32 master weights with a low compute dtype (kept
 parameters compute and all-gather in fp32), and a model stored in low precision whose kept
 tensors stay stored in fp32 inside the same unit. On 1 rank (in-process) and 2 ranks (spawned).
+
+The default tier runs both setups of every architecture on 1 rank, bf16 and fp16 autocast over
+the fp32-master setup, and each architecture on 2 ranks in one setup (alternating along the list,
+so both run); the opt-in tier (``-m slow``) the rest of the grid: autocast over the stored-low
+setup, and each architecture's other setup on 2 ranks (a process group of its own).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ def test_one_rank(arch: str, setup: str) -> None:
 
 @pytest.mark.usefixtures("world1")
 @pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize(
+    "setup", ["fp32_master", pytest.param("stored_low", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("arch", AUTOCAST_ARCHS)
 def test_one_rank_under_autocast(arch: str, setup: str, autocast: torch.dtype) -> None:
     """bf16 and fp16 autocast (the verl seed's references), over the model's own direct
@@ -48,10 +55,13 @@ def _make_case(arch: str, setup: str):
 
 
 CASES = []
-for _arch in ARCH_NAMES:
-    for _setup in SETUPS:
+SLOW = []  # each architecture's other setup on 2 ranks
+for _i, _arch in enumerate(ARCH_NAMES):
+    for _j, _setup in enumerate(SETUPS):
         _name = f"case_{_arch}_{_setup}"
         globals()[_name] = _make_case(_arch, _setup)
         CASES.append(_name)
+        if _j != _i % len(SETUPS):
+            SLOW.append(_name)
 
-results, test_two_ranks = distributed_suite(2, __name__, CASES)
+results, test_two_ranks = distributed_suite(2, __name__, CASES, slow=SLOW)

@@ -11,6 +11,9 @@ gradients and parameters bitwise equal; under FSDP 1x4 outputs and losses are bi
 gradients equal to the order in which gloo sums 4 ranks' contributions (it follows each
 element's position in the reduce-scatter buffer, which the layouts fill differently). The kept
 weights are gathered in fp32, the rest in bf16.
+
+The default tier runs each mesh once (LTX-2.3 under FSDP 1x4, Wan under HSDP 2x2); the other
+pairing of each runs with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -165,4 +168,5 @@ def case_wan22_hsdp_2x2() -> None:
 
 
 CASES = [n for n in list(globals()) if n.startswith("case_")]
-results, test_four_ranks = distributed_suite(4, __name__, CASES)
+SLOW = ["case_ltx23_hsdp_2x2", "case_wan22_fsdp_1x4"]
+results, test_four_ranks = distributed_suite(4, __name__, CASES, slow=SLOW)

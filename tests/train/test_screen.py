@@ -15,8 +15,10 @@ precision rules), then two AdamW steps with a ``GatherProbe`` active. A case pas
 
 Thresholds are relative to each model's size: 0 (every module that can be a unit), 3% and 25% of
 its parameters (different unit layouts for every model of the table) and the default 10_000_000
-(the root only, for these tiny models). 0 and 25% run by default, 3% and the default in the
-opt-in tier (``tests/train/test_screen_more.py``, ``-m slow``).
+(the root only, for these tiny models). Every architecture runs in the default tier at one of
+0 and 25%, alternating along the table (so both layouts run by default), and at the other in the
+opt-in tier (``-m slow``, its own process group); 3% and the default run in the opt-in tier too
+(``tests/train/test_screen_more.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from tests.support.screen_models import (
 )
 
 #: Threshold label -> fraction of the model's parameter count (``None``: the config's default).
-#: The default tier runs every architecture at 0 (every module that can be a unit) and 25%;
+#: The default tier runs every architecture at one of 0 (every module that can be a unit) and
+#: 25%, alternating along the table, the other with ``-m slow``;
 #: ``tests/train/test_screen_more.py`` (``-m slow``) at 3% and the default.
 THRESHOLDS: dict[str, float | None] = {"t0": 0.0, "t25pct": 0.25}
 MORE_THRESHOLDS: dict[str, float | None] = {"t3pct": 0.03, "default": None}
@@ -149,8 +152,15 @@ def screen_cases(module_globals: dict[str, object], thresholds: dict[str, float 
 screen_cases(globals(), THRESHOLDS)
 
 CASES = collect_cases(globals())
+#: The opt-in half: each architecture at the threshold of the two its default case does not use.
+SLOW = [
+    f"case_{arch.name}_{label}"
+    for i, arch in enumerate(ARCHS.values())
+    for j, label in enumerate(THRESHOLDS)
+    if j != i % len(THRESHOLDS)
+]
 
-results, test_screen = distributed_suite(2, __name__, CASES)
+results, test_screen = distributed_suite(2, __name__, CASES, slow=SLOW)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
