@@ -180,6 +180,34 @@ def test_a_batch_gets_each_request_its_own_rows_and_cached_prefixes_their_routes
         )
 
 
+def test_vllm_per_request_prompt_start_drops_the_leading_prompt_rows(llm: Any) -> None:
+    request, start = prompt(500, 20), 8
+    params = {"max_tokens": 3, "ignore_eos": True}
+    (skipped,) = llm.generate(
+        [request],
+        vllm.SamplingParams(temperature=0, routed_experts_prompt_start=start, **params),
+        use_tqdm=False,
+    )
+    full, _ = generate_one(llm, request, **params)
+    routed = skipped.outputs[0].routed_experts
+    assert routed.shape == (20 + 3 - 1 - start, LAYERS, TOP_K)
+    np.testing.assert_array_equal(routed, full.outputs[0].routed_experts[start:])
+
+
+def test_the_capture_is_not_installed_on_a_vllm_it_was_not_written_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert routes._unchecked() == []  # this vLLM: tested release, sources as recorded
+    target = next(iter(routes.SOURCES))
+    monkeypatch.setitem(routes.SOURCES, target, "0" * 64)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv("FSDP_PRECISION_ALLOW_UNTESTED_VLLM", raising=False)
+    reasons = routes._unchecked()
+    assert len(reasons) == 2
+    assert "vLLM 0.99.0 is outside the releases" in reasons[0]
+    assert f"{target} (sha256 " in reasons[1]
+
+
 @pytest.fixture(scope="module")
 def plain(checkpoint: Path) -> Iterator[Any]:
     yield engine(checkpoint)
