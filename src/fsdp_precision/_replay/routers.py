@@ -6,7 +6,7 @@ transformers' router classes; other spellings in :data:`ATTRIBUTES`) and sits in
 layer (``...layers.<i>...``, ``i`` the absolute decoder index the engines key routes by).
 Replay drives the router's own ``topk`` over its experts (:mod:`.replay`); routers whose
 selection is not such a top-k are refused with the reason (:data:`REFUSED`). The table of every
-transformers MoE family, screened, is ``docs/routing-replay.md``.
+transformers MoE family, screened, is ``docs/replay-families.md``.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def find_routers(model: nn.Module) -> tuple[tuple[FoundRouter, ...], RouteShape]
         if name in REFUSED:
             raise RoutingReplayError(
                 f"routing replay cannot drive {fqn!r} ({name}): {REFUSED[name]}; replay covers "
-                "the top-k routers listed in docs/routing-replay.md"
+                "the top-k routers listed in docs/replay-families.md"
             )
         if not _ROUTER_NAME.search(name) or (shape := _sizes(module, name)) is None:
             continue
@@ -150,7 +150,7 @@ def find_routers(model: nn.Module) -> tuple[tuple[FoundRouter, ...], RouteShape]
         raise RoutingReplayError(
             f"{type(model).__name__} has no router routing replay can drive (a module like "
             "'...Router' with num_experts and top_k, in a decoder layer); the families it "
-            "covers are listed in docs/routing-replay.md"
+            "covers are listed in docs/replay-families.md"
         )
     if len(decoders) > 1:
         raise RoutingReplayError(
