@@ -11,10 +11,11 @@ V2 needs a Triton backend for the device, which the CPU build lacks. vLLM's sche
 by ``bind_routed_experts_capturer``: the ids out of the router's own ``select_experts``, before
 any load-balancing remap) and its worker connector are device-agnostic. This module gives the CPU
 build's V1 model runner the three calls V2 makes (connector built with the KV cache, each step
-begun before the forward, each step's rows handed back with its output), and lets ``VllmConfig``
-accept the switch there. Nothing is recomputed: the rows are what vLLM's router selected, every
-router kind vLLM's ``BaseRouter`` covers (softmax top-k, grouped top-k with a correction bias,
-custom routing functions), in vLLM's format, by vLLM's code.
+begun before the forward, each step's rows handed back with its output; closed at shutdown), and
+lets ``VllmConfig`` accept the switch there (its other checks all run). Nothing is recomputed:
+the rows are what vLLM's router selected, every router kind vLLM's ``BaseRouter`` covers
+(softmax top-k, grouped top-k with a correction bias, custom routing functions), in vLLM's
+format, by vLLM's code.
 
 Acts only on the CPU platform, with the V1 model runner, where the switch is on; where V2 runs
 (a GPU), vLLM's own capture is used untouched. Compiled (the CPU build's default), vLLM traces its
@@ -89,9 +90,10 @@ SOURCES: dict[str, str] = {
 #: needed): a request for routes on the CPU build's V1 runner is refused with these reasons.
 UNAVAILABLE: list[str] = []
 
-_ORIGINALS: dict[str, Any] = {}
 #: The key of vLLM's ``additional_config`` that keys its compile cache by the capture's op.
 CACHE_KEY = "fsdp_precision_routes"
+
+_ORIGINALS: dict[str, Any] = {}  # "module:Class.attr" -> vLLM's own (None where inherited)
 _CONNECTOR = "_fsdp_precision_routes"  # the runner's AuxOutputWorkerConnector
 _PENDING = "_fsdp_precision_routes_pending"  # one step's rows, between forward and sampling
 
