@@ -17,7 +17,7 @@ fails on ``q_proj``/``k_proj``/``v_proj`` (``'Parameter' object has no attribute
 load. The test pins that, and runs the training loop with that one call swapped for vLLM's
 in-place reload (the library's ``update_weights``, vLLM's ``reload_weights``), fed by TRL's own
 parameter walk. Each run is a process of its own (TRL's engine joins vLLM's process-wide groups
-through the external launcher).
+through the external launcher); the two start together.
 
 Runs in vLLM's CPU build (``.venv-vllm``, with ``trl`` installed as ``.ci/run`` does).
 """
@@ -25,6 +25,7 @@ Runs in vLLM's CPU build (``.venv-vllm``, with ``trl`` installed as ``.ci/run`` 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from fsdp_precision import EngineDtypeError  # noqa: E402
 from fsdp_precision.integrations import KEPT_ENV  # noqa: E402
 
 from tests.engines.families import declare_family  # noqa: E402
-from tests.engines.test_vllm import file_tensors, in_a_process, model_of, read_back  # noqa: E402
+from tests.engines.test_vllm import file_tensors, in_processes, model_of, read_back  # noqa: E402
 
 pytestmark = pytest.mark.integration
 bf16, fp32 = torch.bfloat16, torch.float32
@@ -152,18 +153,46 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "base", root / "kept.json"
 
 
-def run(base: tuple[Path, Path], declared: bool, out: Path) -> dict[str, Any]:
-    declaration = str(base[1]) if declared else ""
-    return in_a_process("grpo", str(base[0]), declaration, str(out), module="test_trl_vllm")  # type: ignore[no-any-return]
+@pytest.fixture(scope="module")
+def runs(
+    base: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Any]]:
+    """Both GRPO runs (declared, and the control without the declaration), each a process of
+    its own, started together (``in_processes``), each given its own ``MASTER_PORT`` (TRL's
+    engine joins vLLM's groups through torch's env:// rendezvous, 29500 unless told)."""
+    from fsdp_precision._base.dist import free_port
+
+    ports = {free_port()}
+    while len(ports) < 2:
+        ports.add(free_port())
+    first, second = ({"MASTER_PORT": str(port)} for port in ports)
+    return in_processes(
+        {
+            "declared": (
+                "grpo",
+                str(base[0]),
+                str(base[1]),
+                str(tmp_path_factory.mktemp("d")),
+                {"module": "test_trl_vllm", "env": first},
+            ),
+            "control": (
+                "grpo",
+                str(base[0]),
+                "",
+                str(tmp_path_factory.mktemp("c")),
+                {"module": "test_trl_vllm", "env": second},
+            ),
+        }
+    )
 
 
 def test_grpo_colocated_declared_holds_the_trainers_fp32_routers(
-    base: tuple[Path, Path], tmp_path: Path
+    runs: dict[str, Future[Any]],
 ) -> None:
     """With ``FSDP_PRECISION_KEPT``: TRL's engine is built with fp32 routers; a router sent in
     bf16 through TRL's own load call is refused by name, nothing loaded; after two GRPO steps the
     engine's routers read back bitwise equal to the trainer's fp32 routers."""
-    found = run(base, True, tmp_path)
+    found = runs["declared"].result()
     assert found["gates"] == ["KeptGateLinear torch.float32"]
     assert found["at_start"] == dict.fromkeys(GATES)  # the base's bf16 routers, widened exactly
     assert "model.layers.0.mlp.gate.weight: sent in bfloat16, kept in float32" in found["bf16_sent"]
@@ -175,11 +204,11 @@ def test_grpo_colocated_declared_holds_the_trainers_fp32_routers(
 
 
 def test_negative_control_grpo_colocated_without_the_declaration_rounds_the_routers(
-    base: tuple[Path, Path], tmp_path: Path
+    runs: dict[str, Future[Any]],
 ) -> None:
     """The same run without the declaration: TRL's engine holds bf16 routers and the trainer's
     fp32 routers are rounded with no error."""
-    found = run(base, False, tmp_path)
+    found = runs["control"].result()
     assert found["gates"] and all("torch.bfloat16" in g for g in found["gates"])
     assert found["steps"] == 2 and found["moved"] and found["beyond_bf16"]
     assert all(p is not None and "bfloat16" in p for p in found["synced"].values()), found

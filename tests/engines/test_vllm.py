@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -235,24 +236,44 @@ def test_negative_control_without_the_repair_the_updated_experts_go_wrong(
     assert (prompt_logprobs(llm) - before).abs().max() > 1e-3
 
 
-def in_a_process(function: str, *args: str, plugin: bool = True, module: str = "test_vllm") -> Any:
+def in_a_process(
+    function: str,
+    *args: str,
+    plugin: bool = True,
+    module: str = "test_vllm",
+    env: dict[str, str] | None = None,
+) -> Any:
     """``function(*args)`` of this module (or ``tests.engines.<module>``) in a fresh process
     (its JSON result): vLLM without the plugin (``VLLM_PLUGINS`` naming only vLLM's own), or an
     engine whose build fails (a failed build leaves vLLM's process-wide groups torn down for the
-    next engine)."""
+    next engine). ``env``: variables set in that process only."""
     script = (
         f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
         f"from tests.engines import {module} as t; "
         f"print(json.dumps(t.{function}(*{list(args)!r})))"
     )
-    env = dict(os.environ)
+    environment = {**os.environ, **(env or {})}
     if not plugin:
-        env["VLLM_PLUGINS"] = "lora_filesystem_resolver"
+        environment["VLLM_PLUGINS"] = "lora_filesystem_resolver"
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def in_processes(calls: dict[str, tuple[Any, ...]], workers: int = 2) -> dict[str, Future[Any]]:
+    """Several :func:`in_a_process` calls (``key: (function, *args, {options})``), ``workers``
+    at a time: each is mostly one busy core (importing vLLM, starting an engine), so on two cores
+    two at a time take about half as long. Each test takes its own call's result (``.result()``:
+    its JSON, or the assertion that its process failed)."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futures = {}
+    for key, (function, *args) in calls.items():
+        options = args.pop() if args and isinstance(args[-1], dict) else {}
+        futures[key] = pool.submit(in_a_process, function, *args, **options)
+    pool.shutdown(wait=False)
+    return futures
 
 
 def served(path: str) -> dict[str, Any]:
@@ -265,6 +286,11 @@ def served(path: str) -> dict[str, Any]:
         "logprobs": prompt_logprobs(llm).tolist(),
         "read_back": read_back(llm, file_tensors(Path(path)), gates),
     }
+
+
+def served_each(*paths: str) -> list[dict[str, Any]]:
+    """:func:`served` of each path, one engine after the other, in this one process."""
+    return [served(path) for path in paths]
 
 
 def build_error(path: str) -> dict[str, str]:
@@ -284,8 +310,41 @@ def unrecorded(qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_without_the_record_vllm_loads_exactly_as_without_the_library(unrecorded: Path) -> None:
-    stock = in_a_process("served", str(unrecorded), plugin=False)
+@pytest.fixture(scope="module")
+def elsewhere(
+    qwen: Path, unrecorded: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Any]]:
+    """The module's engines in processes of their own, started together (:func:`in_processes`):
+    stock vLLM (without the plugin) serving the export and its copy without the record (both in
+    one process), and the two builds that fail on purpose (a failed build leaves vLLM's
+    process-wide groups torn down, so each has a process of its own)."""
+    root = tmp_path_factory.mktemp("elsewhere")
+    # q kept whole, cast back at its boundary (q meets bf16 k and v in attention)
+    q_proj = Glob("*.self_attn.q_proj.weight", boundary="inputs_outputs")
+    export_family("qwen3_moe", root / "fused", rules=(GATES, q_proj))
+    assert set(export_family("phi3", root / "phi3").values()) == {"torch.float32"}  # its norms
+    return in_processes(
+        {
+            "stock": ("served_each", str(unrecorded), str(qwen), {"plugin": False}),
+            "fused": ("build_error", str(root / "fused")),
+            "phi3": ("build_error", str(root / "phi3")),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def stock_served(
+    qwen: Path, unrecorded: Path, elsewhere: dict[str, Future[Any]]
+) -> dict[Path, dict[str, Any]]:
+    """What stock vLLM (without the plugin) serves from the export and from its copy without the
+    record: both engines in one process of their own (one vLLM start-up, not two)."""
+    return dict(zip([unrecorded, qwen], elsewhere["stock"].result(), strict=True))
+
+
+def test_without_the_record_vllm_loads_exactly_as_without_the_library(
+    unrecorded: Path, stock_served: dict[Path, dict[str, Any]]
+) -> None:
+    stock = stock_served[unrecorded]
     assert stock["class"] == "vllm.model_executor.models.qwen3_moe"
     llm = engine(unrecorded)
     model = model_of(llm)
@@ -294,8 +353,10 @@ def test_without_the_record_vllm_loads_exactly_as_without_the_library(unrecorded
     assert torch.equal(prompt_logprobs(llm), torch.tensor(stock["logprobs"]))  # ... vLLM's numbers
 
 
-def test_negative_control_stock_vllm_rounds_the_kept_routers(qwen: Path) -> None:
-    stock = in_a_process("served", str(qwen), plugin=False)
+def test_negative_control_stock_vllm_rounds_the_kept_routers(
+    qwen: Path, stock_served: dict[Path, dict[str, Any]]
+) -> None:
+    stock = stock_served[qwen]
     assert stock["class"] == "vllm.model_executor.models.qwen3_moe"
     problems = stock["read_back"]
     assert len(problems) == 2  # both routers, each rounded: held in bf16 where vLLM's CPU build
@@ -318,12 +379,10 @@ def test_an_update_the_engine_would_round_is_refused_before_anything_loads(
     assert torch.equal(prompt_logprobs(llm), before)  # nothing was loaded
 
 
-def test_a_kept_tensor_vllm_fuses_is_refused_by_name_at_build(tmp_path: Path) -> None:
-    out = tmp_path / "export"
-    # kept whole, cast back at its boundary (q meets bf16 k and v in attention)
-    q_proj = Glob("*.self_attn.q_proj.weight", boundary="inputs_outputs")
-    export_family("qwen3_moe", out, rules=(GATES, q_proj))
-    error = in_a_process("build_error", str(out))
+def test_a_kept_tensor_vllm_fuses_is_refused_by_name_at_build(
+    elsewhere: dict[str, Future[Any]],
+) -> None:
+    error = elsewhere["fused"].result()  # an export with q_proj kept whole (``elsewhere``)
     assert error["type"] == "EngineDtypeError"
     assert (
         "model.layers.0.self_attn.q_proj.weight: vLLM's Qwen3MoeForCausalLM loads it as one "
@@ -332,10 +391,10 @@ def test_a_kept_tensor_vllm_fuses_is_refused_by_name_at_build(tmp_path: Path) ->
     ) in error["message"]
 
 
-def test_an_architecture_the_plugin_does_not_build_is_refused_by_name(tmp_path: Path) -> None:
-    out = tmp_path / "export"
-    assert set(export_family("phi3", out).values()) == {"torch.float32"}  # its norms kept
-    error = in_a_process("build_error", str(out))
+def test_an_architecture_the_plugin_does_not_build_is_refused_by_name(
+    elsewhere: dict[str, Future[Any]],
+) -> None:
+    error = elsewhere["phi3"].result()  # a Phi-3 export, its norms kept (``elsewhere``)
     assert error["type"] == "EngineDtypeError"
     assert (
         "builds it as Phi3ForCausalLM, which fsdp-precision's vLLM integration does not build: "

@@ -15,6 +15,7 @@ Runs in vLLM's CPU build (``.venv-vllm``), as ``test_vllm.py``, whose helpers it
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from fsdp_precision.integrations.vllm import update_weights  # noqa: E402
 from tests.engines.families import declare_family, export_family  # noqa: E402
 from tests.engines.test_vllm import (  # noqa: E402
     file_tensors,
-    in_a_process,
+    in_processes,
     model_of,
     prompt_logprobs,
     read_back,
@@ -213,14 +214,36 @@ def build_error(path: str, overrides: str) -> dict[str, str]:
     return {}
 
 
-def test_an_uncovered_pooling_model_is_refused_by_name(tmp_path: Path) -> None:
+BREAKAGES = ["registry", "owned", "version"]
+
+
+@pytest.fixture(scope="module")
+def refusals(
+    base: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Any]]:
+    """The module's starts that fail on purpose, each in a process of its own (a failed start
+    leaves vLLM's process-wide groups torn down), started together (``in_processes``): a Phi-3
+    export as a pooling model, and a kept Qwen3-MoE export beside the stock base under each
+    breakage of :func:`launch_with_a_broken_vllm`."""
+    root = tmp_path_factory.mktemp("refusals")
+    export_family("phi3", root / "phi3")
+    export_family("qwen3_moe", root / "qwen3_moe")
+    own = {"module": "test_vllm_declared"}
+    calls: dict[str, tuple[Any, ...]] = {
+        "pooling": ("build_error", str(root / "phi3"), json.dumps({"runner": "pooling"}), own)
+    }
+    for breakage in BREAKAGES:
+        calls[breakage] = (
+            "launch_with_a_broken_vllm", str(root / "qwen3_moe"), str(base[0]), breakage,
+            {**own, "plugin": False},
+        )  # fmt: skip
+    return in_processes(calls)
+
+
+def test_an_uncovered_pooling_model_is_refused_by_name(refusals: dict[str, Future[Any]]) -> None:
     """Served with ``runner="pooling"`` a model builds no ``LogitsProcessor``; the guard sits
     on the embedding every text model builds."""
-    out = tmp_path / "export"
-    export_family("phi3", out)
-    error = in_a_process(
-        "build_error", str(out), json.dumps({"runner": "pooling"}), module="test_vllm_declared"
-    )
+    error = refusals["pooling"].result()
     assert error.get("type") == "EngineDtypeError", error
     assert "which fsdp-precision's vLLM integration does not build" in error["message"]
 
@@ -271,16 +294,11 @@ def launch_with_a_broken_vllm(export: str, stock: str, breakage: str) -> dict[st
     return result
 
 
-@pytest.mark.parametrize("breakage", ["registry", "owned", "version"])
+@pytest.mark.parametrize("breakage", BREAKAGES)
 def test_a_broken_registration_or_untested_vllm_refuses_kept_models_only(
-    tmp_path: Path, base: tuple[Path, Path], breakage: str
+    refusals: dict[str, Future[Any]], breakage: str
 ) -> None:
-    export = tmp_path / "export"
-    export_family("qwen3_moe", export)
-    result = in_a_process(
-        "launch_with_a_broken_vllm", str(export), str(base[0]), breakage,
-        plugin=False, module="test_vllm_declared",
-    )  # fmt: skip
+    result = refusals[breakage].result()
     assert result["stock_gates"] == ["torch.bfloat16", "torch.bfloat16"]  # stock loads
     assert result.get("type") == "EngineDtypeError", result
     if breakage == "registry":
