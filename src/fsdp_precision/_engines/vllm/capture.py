@@ -59,7 +59,7 @@ def bind(model: torch.nn.Module) -> int:
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
         RoutedExpertsCaptureSource,
     )
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter  # lazy: vLLM
 
     define()
     replaced = 0
