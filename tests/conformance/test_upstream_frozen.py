@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,22 +80,44 @@ def side_by_side(
     return losses
 
 
+_counting = threading.Lock()
+#: The counts of the blocks inside :func:`counting_post_backward` now, by thread.
+_counts: dict[int, list[int]] = {}
+
+
 @contextmanager
 def counting_post_backward() -> Iterator[list[int]]:
-    """How often FSDP's post-backward ran through autograd (upstream's
-    ``patch_register_post_backward_hook_backward``); threads share the count."""
+    """How often FSDP's post-backward ran through autograd in this thread (upstream's
+    ``patch_register_post_backward_hook_backward``).
+
+    Ranks that are threads of one process share the class: the first to enter installs the
+    counting ``backward`` and the last to leave restores torch's (each restoring on its own
+    exit let a rank that finished first remove the count from under the other, which then
+    failed its count, and left the class patched for later cases). CPU autograd runs a
+    backward in the thread that called it; a call from any other thread counts for every
+    block."""
     count = [0]
-    original = RegisterPostBackwardFunction.backward
+    with _counting:
+        if not _counts:
+            original = RegisterPostBackwardFunction.backward
 
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                mine = _counts.get(threading.get_ident())
+                for counted in [mine] if mine is not None else list(_counts.values()):
+                    counted[0] += 1
+                return original(*args, **kwargs)
 
-    RegisterPostBackwardFunction.backward = staticmethod(backward)  # type: ignore[method-assign,assignment]
+            backward.original = original  # type: ignore[attr-defined]
+            RegisterPostBackwardFunction.backward = staticmethod(backward)  # type: ignore[method-assign,assignment]
+        _counts[threading.get_ident()] = count
     try:
         yield count
     finally:
-        RegisterPostBackwardFunction.backward = original  # type: ignore[method-assign]
+        with _counting:
+            del _counts[threading.get_ident()]
+            if not _counts:
+                patched = RegisterPostBackwardFunction.backward
+                RegisterPostBackwardFunction.backward = patched.original  # type: ignore[attr-defined,method-assign]
 
 
 def _per_group(kind: str, reshard: Reshard, checkpointed: bool, freeze_after_init: bool) -> str:
@@ -241,3 +264,25 @@ CASES = collect_cases(globals())
 SLOW_THREADS = ["case_train_mixed_requires_grad_per_group"]
 
 globals().update(conformance_suites(2, __name__, CASES, slow_threads=SLOW_THREADS))
+
+
+def test_counting_survives_another_rank_thread_leaving_first() -> None:
+    """Negative control for the threaded ranks' race: a rank that entered first and leaves
+    first must not remove the count from under the other, and the last to leave restores
+    torch's backward (the old per-entry restore failed both)."""
+    torchs = RegisterPostBackwardFunction.backward
+    entered, leave = threading.Event(), threading.Event()
+
+    def first_rank() -> None:
+        with counting_post_backward():
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=first_rank)
+    thread.start()
+    assert entered.wait(10)
+    with counting_post_backward():
+        leave.set()
+        thread.join(10)
+        assert RegisterPostBackwardFunction.backward is not torchs, "the count was removed"
+    assert RegisterPostBackwardFunction.backward is torchs

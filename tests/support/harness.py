@@ -39,6 +39,7 @@ from fsdp_precision._base.dist import free_port
 
 OK = "ok"
 SKIP = "skip: "
+TERMINATED = "Test termination event occurs"
 
 
 CASE_SECONDS = 120  # a thread rank still running a case after this is stuck in a collective
@@ -224,6 +225,9 @@ def run_cases(
         for name in cases:
             outcomes = [r["results"].get(name, crashed or "missing") for r in reports]
             failures = [o for o in outcomes if o != OK and not o.startswith(SKIP)]
+            # a rank woken from a collective by another rank's failure reports only that it
+            # was woken (torch's threaded group): the other rank's error is the cause
+            failures.sort(key=lambda o: TERMINATED in o)
             skips = [o for o in outcomes if o.startswith(SKIP)]
             merged[name] = failures[0] if failures else (skips[0] if skips else OK)
         _values.setdefault((module, threads, patch), {}).update(
