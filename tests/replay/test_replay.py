@@ -181,3 +181,15 @@ def test_explain_names_every_router_by_decoder_layer_and_the_memory() -> None:
     assert "12 bytes per token" in text
     assert "layer   1: model.layers.1.mlp.gate (Qwen3MoeTopKRouter)" in text
     assert replay.shape.bytes_per_token() == 2 * 3 * 2
+
+
+def test_remove_keeps_a_forward_another_wrapper_set_before() -> None:
+    net = support.model()
+    gate = net.model.layers[1].mlp.gate
+    theirs = gate.forward  # e.g. another library's instance-level wrapper
+    gate.forward = theirs
+    replay = RoutingReplay(net)
+    replay.remove()
+    assert vars(gate)["forward"] is theirs
+    replay.remove()  # twice: nothing more to give back
+    assert vars(gate)["forward"] is theirs

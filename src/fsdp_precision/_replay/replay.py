@@ -90,7 +90,8 @@ class RoutingReplay:
         self.shape: RouteShape = shape
         self._routes: torch.Tensor | None = None
         self._live = False
-        self._originals: dict[int, Any] = {}
+        #: Per wrapped router (by id): the instance's own ``forward`` before ours, if it had one.
+        self._before: dict[int, Any] = {}
         for router in routers:
             self._wrap(router)
         logger.info(
@@ -146,9 +147,13 @@ class RoutingReplay:
     def remove(self) -> None:
         """Give every router its own ``forward`` back."""
         for router in self.routers:
-            original = self._originals.pop(id(router.module), None)
-            if original is not None:
-                del router.module.forward
+            if id(router.module) not in self._before:
+                continue  # removed already
+            before = self._before.pop(id(router.module))
+            if before is None:
+                del router.module.forward  # the class's forward again
+            else:
+                router.module.forward = before  # another wrapper's, set before ours
         self._routes = None
 
     def explain(self) -> str:
@@ -183,7 +188,7 @@ class RoutingReplay:
     def _wrap(self, router: FoundRouter) -> None:
         module = router.module
         original = module.forward
-        self._originals[id(module)] = original
+        self._before[id(module)] = vars(module).get("forward")
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else next(iter(kwargs.values()))
